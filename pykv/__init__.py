@@ -1,0 +1,13 @@
+"""pykv: GGUF LLaMA inference in Python + Numba with a quantized block-format KV cache."""
+__version__ = "0.1.0"
+
+from .config import Config, PykvError  # noqa: E402
+
+
+def load(path=None, *, n_ctx=2048, kv_type_k="f16", kv_type_v="f16", threads=None, **kw):
+    """Load a GGUF LLaMA model (path=None: the default SmolLM2-135M-Instruct Q4_1, fetched on first use)."""
+    from .model import load as _load
+    return _load(path, n_ctx=n_ctx, kv_type_k=kv_type_k, kv_type_v=kv_type_v, threads=threads, **kw)
+
+
+__all__ = ["load", "Config", "PykvError", "__version__"]

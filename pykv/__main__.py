@@ -1,0 +1,3 @@
+from pykv.cli import main
+
+raise SystemExit(main())

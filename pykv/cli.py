@@ -1,0 +1,145 @@
+"""`pykv` command line: run, pull, perplexity, plan, bench, and the model-file tools."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from .config import PykvError
+
+KV_HELP = "KV cache type: f32 f16 bf16 q8_0 q4_0 q4_1 q5_0 q5_1 iq4_nl fp8_e4m3 fp8_e5m2 int4 int2"
+
+
+def _model_args(p: argparse.ArgumentParser, with_prompt: bool = False) -> None:
+    if with_prompt:
+        p.add_argument("args", nargs="+", metavar="[MODEL] PROMPT",
+                       help="optional GGUF path or registry name, then the prompt")
+    p.add_argument("-c", "--ctx-size", type=int, default=2048, help="context size in tokens (default 2048)")
+    p.add_argument("-ctk", "--cache-type-k", default="f16", help=KV_HELP + " (comma list = per layer)")
+    p.add_argument("-ctv", "--cache-type-v", default="f16", help=KV_HELP + " (comma list = per layer)")
+    p.add_argument("--kv-rotate", choices=["on", "off", "auto"], default="auto",
+                   help="Hadamard rotation of K/V before quantization (auto: on for 4-bit and lower types)")
+    p.add_argument("--kv-budget", default=None, help="cap the KV pool, e.g. 64MiB")
+    p.add_argument("-t", "--threads", type=int, default=None, help="threads (default: all cores)")
+
+
+def parse_bytes(s: str) -> int:
+    units = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
+             "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4, "tb": 1000**4, "tib": 1024**4}
+    t = s.strip().lower()
+    num = t.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = t[len(num):].strip()
+    try:
+        value = float(num)
+    except ValueError:
+        raise PykvError(f"bad size {s!r} (e.g. 8GiB, 512MiB, 1e9)") from None
+    if unit not in units or value < 0:
+        raise PykvError(f"bad size {s!r} (e.g. 8GiB, 512MiB, 1e9)")
+    return int(value * units[unit])
+
+
+def _kv_types(s: str):
+    parts = [p.strip() for p in s.split(",") if p.strip()]
+    return parts if len(parts) > 1 else parts[0]
+
+
+def load_from_args(args, model_path, **kw):
+    from .model import load
+    rot = {"on": True, "off": False, "auto": None}[args.kv_rotate]
+    budget = parse_bytes(args.kv_budget) if args.kv_budget else None
+    return load(model_path, n_ctx=args.ctx_size, kv_type_k=_kv_types(args.cache_type_k),
+                kv_type_v=_kv_types(args.cache_type_v), threads=args.threads, kv_rotate=rot,
+                kv_budget=budget, **kw)
+
+
+def cmd_run(args) -> int:
+    if len(args.args) > 2:
+        raise PykvError("usage: pykv run [MODEL] PROMPT (quote the prompt)")
+    model_path, prompt = (args.args if len(args.args) == 2 else (None, args.args[0]))
+    if args.file:
+        with open(args.file, encoding="utf-8") as f:
+            prompt = f.read()
+    model = load_from_args(args, model_path)
+    out = sys.stdout
+    if args.echo:
+        out.write(prompt)
+    for piece in model.generate(prompt, max_tokens=args.n_predict, temperature=args.temp, top_k=args.top_k,
+                                top_p=args.top_p, min_p=args.min_p, repeat_penalty=args.repeat_penalty,
+                                seed=args.seed, stop=args.stop or ()):
+        out.write(piece)
+        out.flush()
+    out.write("\n")
+    out.flush()
+    s = model.last_stats
+    pp = s["prompt_tokens"] / s["prompt_s"] if s["prompt_s"] else 0.0
+    tg = (s["gen_tokens"] - 1) / s["gen_s"] if s["gen_s"] and s["gen_tokens"] > 1 else 0.0
+    print(f"prompt: {s['prompt_tokens']} tokens, {pp:.1f} tokens/s | decode: {s['gen_tokens']} tokens, "
+          f"{tg:.1f} tokens/s | KV {model.cache.k_name()}/{model.cache.v_name()} "
+          f"{model.kv_bytes_per_token():.0f} B/token", file=sys.stderr)
+    return 0
+
+
+def cmd_pull(args) -> int:
+    from .models import ModelFetchError, fetch
+    try:
+        path = fetch(args.name)
+    except ModelFetchError as e:
+        raise PykvError(str(e)) from None
+    print(path)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="pykv", description="GGUF LLaMA inference with a quantized KV cache")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    p = sub.add_parser("run", help="generate text from a prompt")
+    _model_args(p, with_prompt=True)
+    p.add_argument("-n", "--n-predict", type=int, default=128, help="tokens to generate (default 128)")
+    p.add_argument("--temp", type=float, default=0.8)
+    p.add_argument("--top-k", type=int, default=40)
+    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--min-p", type=float, default=0.05)
+    p.add_argument("--repeat-penalty", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", help="stop string (repeatable)")
+    p.add_argument("-f", "--file", help="read the prompt from a file")
+    p.add_argument("--echo", action="store_true", help="print the prompt before the continuation")
+    p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("pull", help="fetch a registry model (default: SmolLM2-135M-Instruct Q4_1)")
+    p.add_argument("name", nargs="?", default=None)
+    p.set_defaults(func=cmd_pull)
+
+    for mod in ("tools_cli", "convert"):
+        try:
+            m = __import__(f"pykv.{mod}", fromlist=["register_cli"])
+        except ImportError:
+            continue
+        m.register_cli(sub)
+    return ap
+
+
+def main(argv=None) -> int:
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except PykvError as e:
+        print(f"pykv: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("pykv: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        try:
+            sys.stdout = open(os.devnull, "w")
+        except OSError:
+            pass
+        return 0
+    except Exception as e:   # other known one-line failures (convert tool, OS errors)
+        name = type(e).__name__
+        if name in ("ConvertError", "ModelFetchError") or isinstance(e, (OSError, ValueError)):
+            print(f"pykv: error: {e}", file=sys.stderr)
+            return 1
+        raise

@@ -1,0 +1,1289 @@
+"""Numba kernels that quantize, dequantize and consume ONE token head vector (a "row") of a KV cache.
+
+Every kernel dispatches on the integer format code of ``pykv.formats`` (``CODE_*``) and works on one
+row in a ``uint8`` buffer, so the attention kernel can call them from inside its own ``prange`` loops:
+
+    quantize_row(code, x f32[HD], dst u8[row_bytes])            once per token on append
+    dequantize_row(code, src u8[row_bytes], out f32[HD])
+    dot_row(code, q f32[HD], src) -> f32                         dot(q, dequant(src)), no temp row
+    axpy_row(code, p, src, acc f32[HD])                          acc += p * dequant(src)
+    quantize_query_q8(q, qq i8[HD], qd f32[HD//32])              q8 query (f32 block scales)
+    quantize_query_q8s(q, qq, qd, qsum i32[HD//32])              ... plus per-block sum(qq)
+    dot_row_q8(code, qq, qd, src) -> f32                         integer block sums x scales
+    dot_row_q8s(code, qq, qd, qsum, src) -> f32                  same, with precomputed sum(qq)
+    quantize_rows(code, X f32[N, HD], dst u8[N, row_bytes])      prange over rows
+    dequantize_rows(code, src u8[N, row_bytes], out f32[N, HD])  prange over rows
+
+KIVI keys live in pages (per channel across the P tokens of a page):
+
+    kivi_quantize_kpage(bits, xk f32[P, HD], dst u8[page_bytes])
+    kivi_dequant_k(bits, page, t, P, out f32[HD])
+    kivi_dot_k(bits, q f32[HD], page, t, P) -> f32
+    kivi_k_prep(bits, q, page, P, qd f32[HD]) -> f32 (qm)       once per (query, page) ...
+    kivi_dot_k_prepped(bits, qd, qm, page, t, P) -> f32         ... then one cheap dot per token
+
+Byte layouts (little endian):
+  f32 / f16 / bf16: the values.  f16 rounding = numpy astype(float16) (RNE, numpy's NaN mapping);
+    bf16 = ggml_compute_fp32_to_bf16 (RNE, NaN forced quiet), as gguf.quants.
+  q8_0, q4_0, q4_1, q5_0, q5_1, iq4_nl: ggml blocks, byte-identical with gguf.quants.quantize
+    (float32 arithmetic in the same order, round-half-away for q8_0, trunc(x + .5) for the others).
+    iq4_nl quantize = ggml's quantize_row_iq4_nl_ref (ntry = -1: one least-squares scale, what ggml's
+    CPU from_float uses for a KV cache); ``quantize_row_iq4_nl(x, dst, 7)`` = quantize_iq4_nl without
+    imatrix (llama-quantize).  gguf.quants has no iq4_nl quantizer, so that path is checked against a
+    float32 port of the C code in the tests.  An all-zero block is stored as d = 0, nibbles 0x88.
+  fp8_e4m3 / fp8_e5m2: [f32 scale s = amax / fp8_max][HD bytes]; byte = RNE(x / s) in the OCP format,
+    saturating to +-max (e4m3 max 448, no inf; e5m2 max 57344); value = decode(byte) * s.
+  int4 / int2 (KIVI) value rows: groups of 32 along HD, each [f16 d][f16 m][32*bits/8 bytes codes];
+    int4: byte j holds elements j (low nibble) and j+16 (high nibble), like ggml q4_1;
+    int2: byte j (0..7) holds elements j, j+8, j+16, j+24 at bit shifts 0, 2, 4, 6.
+    m = min rounded DOWN to f16, d = (max - m) / (2^bits - 1) rounded UP to f16, so that
+    [m, m + d * qmax] covers the group; code = round_half_away((x - m) / d) clamped to [0, qmax];
+    value = code * d + m  ->  |x - value| <= d / 2 (plus float rounding).
+  int4 / int2 (KIVI) key pages (one KV head, P tokens):
+    [f16 d[HD]][f16 m[HD]]  (4*HD bytes, per channel over the page's P tokens)
+    then the codes TOKEN-MAJOR: token t's HD codes at 4*HD + t*HD*bits/8, packed in groups of 32
+    channels exactly like a value row's codes (without the per-group d/m).  Token-major keeps one
+    token's key contiguous, so a dot is one contiguous pass over HD*bits/8 bytes.
+
+Float arithmetic in quantize/dequantize is compiled without fast-math (bit-exactness); the dot / axpy
+kernels use reassociation (so the loops vectorize): they match a float64 reference to ~1e-6 relative.
+"""
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.extending import intrinsic
+
+from ..formats import (CODE_BF16, CODE_F16, CODE_F32, CODE_FP8_E4M3, CODE_FP8_E5M2, CODE_INT2,
+                       CODE_INT4, CODE_IQ4_NL, CODE_Q4_0, CODE_Q4_1, CODE_Q5_0, CODE_Q5_1, CODE_Q8_0)
+
+_FM = {"reassoc", "contract", "nsz"}  # fast-math subset for dot / axpy (no nnan/ninf)
+
+# ----------------------------------------------------------------------------------------------
+# bit casts and scalar helpers
+# ----------------------------------------------------------------------------------------------
+
+
+@intrinsic
+def f32_bits(typingctx, x):
+    """Reinterpret a float32 as uint32."""
+    if isinstance(x, types.Float) and x.bitwidth == 32:
+        def codegen(context, builder, sig, args):
+            return builder.bitcast(args[0], ir.IntType(32))
+        return types.uint32(types.float32), codegen
+    return None
+
+
+@intrinsic
+def bits_f32(typingctx, u):
+    """Reinterpret a uint32 as float32."""
+    if isinstance(u, types.Integer) and u.bitwidth == 32:
+        def codegen(context, builder, sig, args):
+            return builder.bitcast(args[0], ir.FloatType())
+        return types.float32(u), codegen
+    return None
+
+
+@njit(cache=True)
+def _u32(v):
+    return np.uint32(v & 0xFFFFFFFF)
+
+
+@njit(cache=True)
+def f32_to_f16_bits(x):
+    """float32 -> IEEE half bits (int64), round to nearest even; NaN mapped as numpy does."""
+    u = np.int64(f32_bits(np.float32(x)))
+    sign = (u >> 16) & 0x8000
+    a = u & 0x7FFFFFFF
+    e = a >> 23
+    mant = a & 0x7FFFFF
+    if e == 255:
+        if mant == 0:
+            return sign | 0x7C00
+        h = 0x7C00 + (mant >> 13)
+        if h == 0x7C00:
+            h += 1
+        return sign | h
+    if e >= 143:  # >= 65536: overflow
+        return sign | 0x7C00
+    if e >= 113:  # normal half
+        h = ((e - 112) << 10) | (mant >> 13)
+        rem = mant & 0x1FFF
+        if rem > 0x1000 or (rem == 0x1000 and (h & 1) == 1):
+            h += 1  # a carry into the exponent is correct (up to inf)
+        return sign | h
+    if e < 102:  # below half of the smallest subnormal (2^-25): rounds to zero
+        return sign
+    m = mant | 0x800000
+    shift = 126 - e  # 14..24
+    h = m >> shift
+    rem = m & ((np.int64(1) << shift) - 1)
+    half = np.int64(1) << (shift - 1)
+    if rem > half or (rem == half and (h & 1) == 1):
+        h += 1
+    return sign | h
+
+
+@njit(cache=True)
+def f16_bits_to_f32(h):
+    """IEEE half bits -> float32 (exact)."""
+    h = np.int64(h)
+    s = (h & 0x8000) << 16
+    e = (h >> 10) & 0x1F
+    m = h & 0x3FF
+    if e == 0:
+        v = np.float32(m) * np.float32(5.9604644775390625e-08)  # m * 2^-24, exact
+        return -v if s != 0 else v
+    if e == 31:
+        return bits_f32(_u32(s | 0x7F800000 | (m << 13)))
+    return bits_f32(_u32(s | ((e + 112) << 23) | (m << 13)))
+
+
+@njit(cache=True)
+def f16_next_down(h):
+    if h == 0:
+        return 0x8001
+    if h & 0x8000:
+        return h + 1
+    return h - 1
+
+
+@njit(cache=True)
+def f16_next_up(h):
+    if h == 0x8000:
+        return 1
+    if h & 0x8000:
+        return h - 1
+    return h + 1
+
+
+@njit(cache=True)
+def rd_f16(buf, o):
+    return f16_bits_to_f32(np.int64(buf[o]) | (np.int64(buf[o + 1]) << 8))
+
+
+@njit(cache=True)
+def wr_u16(buf, o, h):
+    buf[o] = np.uint8(h & 0xFF)
+    buf[o + 1] = np.uint8((h >> 8) & 0xFF)
+
+
+@njit(cache=True)
+def wr_f16(buf, o, x):
+    wr_u16(buf, o, f32_to_f16_bits(x))
+
+
+@njit(cache=True)
+def rd_f32(buf, o):
+    u = (np.int64(buf[o]) | (np.int64(buf[o + 1]) << 8) | (np.int64(buf[o + 2]) << 16)
+         | (np.int64(buf[o + 3]) << 24))
+    return bits_f32(_u32(u))
+
+
+@njit(cache=True)
+def wr_f32(buf, o, x):
+    u = np.int64(f32_bits(np.float32(x)))
+    buf[o] = np.uint8(u & 0xFF)
+    buf[o + 1] = np.uint8((u >> 8) & 0xFF)
+    buf[o + 2] = np.uint8((u >> 16) & 0xFF)
+    buf[o + 3] = np.uint8((u >> 24) & 0xFF)
+
+
+@njit(cache=True)
+def roundf_away(v):
+    """Round half away from zero in float32 exactly as gguf.quants.np_roundf (== C roundf)."""
+    a = abs(v)
+    fl = np.floor(a)
+    b = fl + np.floor(np.float32(2.0) * (a - fl))
+    if v < np.float32(0.0):
+        return -b
+    return b
+
+
+@njit(cache=True)
+def pow2f(k):
+    """2^k as float32 for k in the normal range [-126, 127]."""
+    return bits_f32(_u32((np.int64(k) + 127) << 23))
+
+
+# ----------------------------------------------------------------------------------------------
+# float formats
+# ----------------------------------------------------------------------------------------------
+
+@njit(cache=True)
+def bf16_bits(x):
+    n = np.int64(f32_bits(np.float32(x)))
+    if (n & 0x7FFFFFFF) > 0x7F800000:
+        n = (n & 0xFFFF0000) | (64 << 16)
+    n = (n + (0x7FFF + ((n >> 16) & 1))) >> 16
+    return n & 0xFFFF
+
+
+@njit(cache=True)
+def bf16_to_f32(buf, o):
+    return bits_f32(_u32((np.int64(buf[o]) | (np.int64(buf[o + 1]) << 8)) << 16))
+
+
+# ----------------------------------------------------------------------------------------------
+# ggml block quantizers (one block of 32 at x[xo:xo+32] -> dst[do:do+block_bytes])
+# ----------------------------------------------------------------------------------------------
+
+@njit(cache=True)
+def _absmax_signed(x, xo, n):
+    amax = np.float32(0.0)
+    mx = np.float32(0.0)
+    for j in range(n):
+        v = x[xo + j]
+        if amax < abs(v):
+            amax = abs(v)
+            mx = v
+    return mx
+
+
+@njit(cache=True)
+def _minmax(x, xo, n):
+    mn = x[xo]
+    mx = x[xo]
+    for j in range(1, n):
+        v = x[xo + j]
+        if v < mn:
+            mn = v
+        if v > mx:
+            mx = v
+    return mn, mx
+
+
+@njit(cache=True)
+def _qblk_q8_0(x, xo, dst, do):
+    amax = np.float32(0.0)
+    for j in range(32):
+        a = abs(x[xo + j])
+        if a > amax:
+            amax = a
+    d = amax / np.float32(127.0)
+    idd = np.float32(1.0) / d if d != np.float32(0.0) else np.float32(0.0)
+    wr_f16(dst, do, d)
+    for j in range(32):
+        q = np.int64(roundf_away(x[xo + j] * idd))
+        dst[do + 2 + j] = np.uint8(q & 0xFF)
+
+
+@njit(cache=True)
+def _qblk_q4_0(x, xo, dst, do):
+    mx = _absmax_signed(x, xo, 32)
+    d = mx / np.float32(-8.0)
+    idd = np.float32(1.0) / d if d != np.float32(0.0) else np.float32(0.0)
+    wr_f16(dst, do, d)
+    for j in range(16):
+        q0 = min(np.int64(x[xo + j] * idd + np.float32(8.5)), 15)
+        q1 = min(np.int64(x[xo + 16 + j] * idd + np.float32(8.5)), 15)
+        dst[do + 2 + j] = np.uint8(q0 | (q1 << 4))
+
+
+@njit(cache=True)
+def _qblk_q4_1(x, xo, dst, do):
+    mn, mx = _minmax(x, xo, 32)
+    d = (mx - mn) / np.float32(15.0)
+    idd = np.float32(1.0) / d if d != np.float32(0.0) else np.float32(0.0)
+    wr_f16(dst, do, d)
+    wr_f16(dst, do + 2, mn)
+    for j in range(16):
+        q0 = min(np.int64((x[xo + j] - mn) * idd + np.float32(0.5)), 15)
+        q1 = min(np.int64((x[xo + 16 + j] - mn) * idd + np.float32(0.5)), 15)
+        dst[do + 4 + j] = np.uint8(q0 | (q1 << 4))
+
+
+@njit(cache=True)
+def _qblk_q5_0(x, xo, dst, do):
+    mx = _absmax_signed(x, xo, 32)
+    d = mx / np.float32(-16.0)
+    idd = np.float32(1.0) / d if d != np.float32(0.0) else np.float32(0.0)
+    wr_f16(dst, do, d)
+    qh = np.int64(0)
+    for j in range(16):
+        q0 = min(np.int64(x[xo + j] * idd + np.float32(16.5)), 31)
+        q1 = min(np.int64(x[xo + 16 + j] * idd + np.float32(16.5)), 31)
+        dst[do + 6 + j] = np.uint8((q0 & 0xF) | ((q1 & 0xF) << 4))
+        qh |= ((q0 >> 4) & 1) << j
+        qh |= ((q1 >> 4) & 1) << (j + 16)
+    for k in range(4):
+        dst[do + 2 + k] = np.uint8((qh >> (8 * k)) & 0xFF)
+
+
+@njit(cache=True)
+def _qblk_q5_1(x, xo, dst, do):
+    mn, mx = _minmax(x, xo, 32)
+    d = (mx - mn) / np.float32(31.0)
+    idd = np.float32(1.0) / d if d != np.float32(0.0) else np.float32(0.0)
+    wr_f16(dst, do, d)
+    wr_f16(dst, do + 2, mn)
+    qh = np.int64(0)
+    for j in range(16):
+        q0 = min(np.int64((x[xo + j] - mn) * idd + np.float32(0.5)), 31)
+        q1 = min(np.int64((x[xo + 16 + j] - mn) * idd + np.float32(0.5)), 31)
+        dst[do + 8 + j] = np.uint8((q0 & 0xF) | ((q1 & 0xF) << 4))
+        qh |= ((q0 >> 4) & 1) << j
+        qh |= ((q1 >> 4) & 1) << (j + 16)
+    for k in range(4):
+        dst[do + 4 + k] = np.uint8((qh >> (8 * k)) & 0xFF)
+
+
+KVALUES_IQ4NL = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113],
+                         dtype=np.int8)
+_KV_IQ4NL_F = KVALUES_IQ4NL.astype(np.float32)
+
+
+@njit(cache=True)
+def _best_index_iq4nl(x):
+    """ggml best_index_int8 over the iq4_nl table, float32 arithmetic."""
+    val = _KV_IQ4NL_F
+    if x <= val[0]:
+        return 0
+    if x >= val[15]:
+        return 15
+    ml = 0
+    mu = 15
+    while mu - ml > 1:
+        mav = (ml + mu) // 2
+        if x < val[mav]:
+            mu = mav
+        else:
+            ml = mav
+    if x - val[mu - 1] < val[mu] - x:
+        return mu - 1
+    return mu
+
+
+@njit(cache=True)
+def _iq4nl_sums(x, xo, idd):
+    val = _KV_IQ4NL_F
+    sumqx = np.float32(0.0)
+    sumq2 = np.float32(0.0)
+    for j in range(32):
+        xj = x[xo + j]
+        q = val[_best_index_iq4nl(idd * xj)]
+        w = xj * xj
+        sumqx += w * q * xj
+        sumq2 += w * q * q
+    return sumqx, sumq2
+
+
+@njit(cache=True)
+def _qblk_iq4_nl(x, xo, dst, do, ntry):
+    val = _KV_IQ4NL_F
+    mx = _absmax_signed(x, xo, 32)
+    if abs(mx) < np.float32(1e-15):
+        wr_u16(dst, do, 0)
+        for j in range(16):
+            dst[do + 2 + j] = np.uint8(0x88)
+        return
+    if ntry > 0:
+        d = -mx / val[0]
+    else:
+        d = mx / val[0]
+    idd = np.float32(1.0) / d
+    sumqx, sumq2 = _iq4nl_sums(x, xo, idd)
+    d = sumqx / sumq2
+    best = d * sumqx
+    for itry in range(-ntry, ntry + 1):
+        idd = (np.float32(itry) + val[0]) / mx
+        sqx, sq2 = _iq4nl_sums(x, xo, idd)
+        if sq2 > np.float32(0.0) and sqx * sqx > best * sq2:
+            d = sqx / sq2
+            best = d * sqx
+    wr_f16(dst, do, d)
+    if ntry > 0:
+        idd = np.float32(1.0) / d if d != np.float32(0.0) else np.float32(0.0)
+    else:  # ref: the indices of the first pass (scale max / -127) are kept
+        idd = np.float32(1.0) / (mx / val[0])
+    for j in range(16):
+        l0 = _best_index_iq4nl(idd * x[xo + j])
+        l1 = _best_index_iq4nl(idd * x[xo + 16 + j])
+        dst[do + 2 + j] = np.uint8(l0 | (l1 << 4))
+
+
+# ----------------------------------------------------------------------------------------------
+# fp8 (OCP e4m3fn / e5m2), per-row f32 scale
+# ----------------------------------------------------------------------------------------------
+
+def _fp8_table(ebits, mbits, bias, has_inf):
+    t = np.zeros(256, dtype=np.float32)
+    for c in range(256):
+        s = -1.0 if c & 0x80 else 1.0
+        e = (c >> mbits) & ((1 << ebits) - 1)
+        m = c & ((1 << mbits) - 1)
+        emax = (1 << ebits) - 1
+        if has_inf and e == emax:
+            t[c] = s * np.inf if m == 0 else np.nan
+        elif (not has_inf) and e == emax and m == (1 << mbits) - 1:
+            t[c] = np.nan
+        elif e == 0:
+            t[c] = s * m * 2.0 ** (1 - bias - mbits)
+        else:
+            t[c] = s * (1 + m / (1 << mbits)) * 2.0 ** (e - bias)
+    return t
+
+
+FP8_E4M3_TABLE = _fp8_table(4, 3, 7, False)
+FP8_E5M2_TABLE = _fp8_table(5, 2, 15, True)
+FP8_E4M3_MAX = np.float32(448.0)
+FP8_E5M2_MAX = np.float32(57344.0)
+
+
+@njit(cache=True)
+def fp8_encode(v, mbits, bias, fmax, max_mag):
+    """float32 -> fp8 byte, round to nearest even, saturating to +-max (NaN -> 0x7F|sign)."""
+    u = np.int64(f32_bits(np.float32(v)))
+    sign = (u >> 24) & 0x80
+    a = abs(v)
+    if not (a < fmax):
+        if a != a:
+            return 0x7F | sign
+        return max_mag | sign
+    e = ((u >> 23) & 0xFF) - 127
+    emin = 1 - bias
+    if e < emin:
+        e = emin
+    y = a * pow2f(mbits - e)  # exact scaling, y < 2^(mbits+1)
+    fl = np.floor(y)
+    r = y - fl
+    n = np.int64(fl)
+    if r > np.float32(0.5) or (r == np.float32(0.5) and (n & 1) == 1):
+        n += 1
+    mag = ((e + bias - 1) << mbits) + n  # also right for subnormals and for a carry into e
+    if mag > max_mag:
+        mag = max_mag
+    return mag | sign
+
+
+@njit(cache=True)
+def _q_fp8(x, dst, e4m3):
+    hd = x.shape[0]
+    fmax = FP8_E4M3_MAX if e4m3 else FP8_E5M2_MAX
+    amax = np.float32(0.0)
+    for j in range(hd):
+        a = abs(x[j])
+        if a > amax:
+            amax = a
+    s = amax / fmax
+    wr_f32(dst, 0, s)
+    if s == np.float32(0.0):
+        for j in range(hd):
+            dst[4 + j] = 0
+        return
+    for j in range(hd):
+        v = x[j] / s
+        if e4m3:
+            dst[4 + j] = np.uint8(fp8_encode(v, 3, 7, FP8_E4M3_MAX, 0x7E))
+        else:
+            dst[4 + j] = np.uint8(fp8_encode(v, 2, 15, FP8_E5M2_MAX, 0x7B))
+
+
+# ----------------------------------------------------------------------------------------------
+# KIVI group helpers (asymmetric, f16 d and m)
+# ----------------------------------------------------------------------------------------------
+
+@njit(cache=True)
+def kivi_params(mn, mx, qmax):
+    """(d16, m16, d, m): m = f16 rounded down from mn, d = f16 rounded up so m + qmax*d >= mx."""
+    m16 = f32_to_f16_bits(mn)
+    m = f16_bits_to_f32(m16)
+    if m > mn:
+        m16 = f16_next_down(m16)
+        m = f16_bits_to_f32(m16)
+    d = (mx - m) / np.float32(qmax)
+    d16 = f32_to_f16_bits(d)
+    df = f16_bits_to_f32(d16)
+    if df < d:
+        d16 = f16_next_up(d16)
+        df = f16_bits_to_f32(d16)
+    return d16, m16, df, m
+
+
+@njit(cache=True)
+def kivi_code(v, m, d, qmax):
+    if d == np.float32(0.0):
+        return 0
+    c = np.int64(roundf_away((v - m) / d))
+    if c < 0:
+        return 0
+    if c > qmax:
+        return qmax
+    return c
+
+
+@njit(cache=True)
+def _q_kivi_row(x, dst, bits):
+    """KIVI value row: groups of 32 along HD, [f16 d][f16 m][codes]."""
+    hd = x.shape[0]
+    qmax = (1 << bits) - 1
+    gb = 4 + 4 * bits
+    for g in range(hd // 32):
+        xo = 32 * g
+        do = gb * g
+        mn, mx = _minmax(x, xo, 32)
+        d16, m16, d, m = kivi_params(mn, mx, qmax)
+        wr_u16(dst, do, d16)
+        wr_u16(dst, do + 2, m16)
+        if bits == 4:
+            for j in range(16):
+                c0 = kivi_code(x[xo + j], m, d, qmax)
+                c1 = kivi_code(x[xo + 16 + j], m, d, qmax)
+                dst[do + 4 + j] = np.uint8(c0 | (c1 << 4))
+        else:
+            for j in range(8):
+                c0 = kivi_code(x[xo + j], m, d, qmax)
+                c1 = kivi_code(x[xo + 8 + j], m, d, qmax)
+                c2 = kivi_code(x[xo + 16 + j], m, d, qmax)
+                c3 = kivi_code(x[xo + 24 + j], m, d, qmax)
+                dst[do + 4 + j] = np.uint8(c0 | (c1 << 2) | (c2 << 4) | (c3 << 6))
+
+
+# ----------------------------------------------------------------------------------------------
+# row API: quantize / dequantize
+# ----------------------------------------------------------------------------------------------
+
+@njit(cache=True)
+def quantize_row_iq4_nl(x, dst, ntry):
+    """iq4_nl with an explicit search width: -1 = ggml quantize_row_iq4_nl_ref, 7 = quantize_iq4_nl."""
+    for b in range(x.shape[0] // 32):
+        _qblk_iq4_nl(x, 32 * b, dst, 18 * b, ntry)
+
+
+@njit(cache=True)
+def quantize_row(code, x, dst):
+    n = x.shape[0]
+    if code == CODE_F32:
+        for j in range(n):
+            wr_f32(dst, 4 * j, x[j])
+    elif code == CODE_F16:
+        for j in range(n):
+            wr_u16(dst, 2 * j, f32_to_f16_bits(x[j]))
+    elif code == CODE_BF16:
+        for j in range(n):
+            wr_u16(dst, 2 * j, bf16_bits(x[j]))
+    elif code == CODE_Q8_0:
+        for b in range(n // 32):
+            _qblk_q8_0(x, 32 * b, dst, 34 * b)
+    elif code == CODE_Q4_0:
+        for b in range(n // 32):
+            _qblk_q4_0(x, 32 * b, dst, 18 * b)
+    elif code == CODE_Q4_1:
+        for b in range(n // 32):
+            _qblk_q4_1(x, 32 * b, dst, 20 * b)
+    elif code == CODE_Q5_0:
+        for b in range(n // 32):
+            _qblk_q5_0(x, 32 * b, dst, 22 * b)
+    elif code == CODE_Q5_1:
+        for b in range(n // 32):
+            _qblk_q5_1(x, 32 * b, dst, 24 * b)
+    elif code == CODE_IQ4_NL:
+        quantize_row_iq4_nl(x, dst, -1)
+    elif code == CODE_FP8_E4M3:
+        _q_fp8(x, dst, True)
+    elif code == CODE_FP8_E5M2:
+        _q_fp8(x, dst, False)
+    elif code == CODE_INT4:
+        _q_kivi_row(x, dst, 4)
+    elif code == CODE_INT2:
+        _q_kivi_row(x, dst, 2)
+    else:
+        raise ValueError("unknown KV format code")
+
+
+@njit(cache=True)
+def dequantize_row(code, src, out):
+    n = out.shape[0]
+    if code == CODE_F32:
+        for j in range(n):
+            out[j] = rd_f32(src, 4 * j)
+    elif code == CODE_F16:
+        for j in range(n):
+            out[j] = rd_f16(src, 2 * j)
+    elif code == CODE_BF16:
+        for j in range(n):
+            out[j] = bf16_to_f32(src, 2 * j)
+    elif code == CODE_Q8_0:
+        for b in range(n // 32):
+            o = 34 * b
+            d = rd_f16(src, o)
+            for j in range(32):
+                out[32 * b + j] = np.float32(np.int8(src[o + 2 + j])) * d
+    elif code == CODE_Q4_0 or code == CODE_IQ4_NL:
+        for b in range(n // 32):
+            o = 18 * b
+            d = rd_f16(src, o)
+            for j in range(16):
+                v = np.int64(src[o + 2 + j])
+                if code == CODE_Q4_0:
+                    out[32 * b + j] = d * np.float32((v & 0xF) - 8)
+                    out[32 * b + 16 + j] = d * np.float32((v >> 4) - 8)
+                else:
+                    out[32 * b + j] = d * _KV_IQ4NL_F[v & 0xF]
+                    out[32 * b + 16 + j] = d * _KV_IQ4NL_F[v >> 4]
+    elif code == CODE_Q4_1:
+        for b in range(n // 32):
+            o = 20 * b
+            d = rd_f16(src, o)
+            m = rd_f16(src, o + 2)
+            for j in range(16):
+                v = np.int64(src[o + 4 + j])
+                out[32 * b + j] = d * np.float32(v & 0xF) + m
+                out[32 * b + 16 + j] = d * np.float32(v >> 4) + m
+    elif code == CODE_Q5_0 or code == CODE_Q5_1:
+        asym = code == CODE_Q5_1
+        bb = 24 if asym else 22
+        for b in range(n // 32):
+            o = bb * b
+            d = rd_f16(src, o)
+            m = rd_f16(src, o + 2) if asym else np.float32(0.0)
+            ho = o + 4 if asym else o + 2
+            qh = (np.int64(src[ho]) | (np.int64(src[ho + 1]) << 8) | (np.int64(src[ho + 2]) << 16)
+                  | (np.int64(src[ho + 3]) << 24))
+            for j in range(16):
+                v = np.int64(src[ho + 4 + j])
+                q0 = (v & 0xF) | (((qh >> j) & 1) << 4)
+                q1 = (v >> 4) | (((qh >> (j + 16)) & 1) << 4)
+                if asym:
+                    out[32 * b + j] = d * np.float32(q0) + m
+                    out[32 * b + 16 + j] = d * np.float32(q1) + m
+                else:
+                    out[32 * b + j] = d * np.float32(q0 - 16)
+                    out[32 * b + 16 + j] = d * np.float32(q1 - 16)
+    elif code == CODE_FP8_E4M3 or code == CODE_FP8_E5M2:
+        tab = FP8_E4M3_TABLE if code == CODE_FP8_E4M3 else FP8_E5M2_TABLE
+        s = rd_f32(src, 0)
+        for j in range(n):
+            out[j] = tab[src[4 + j]] * s
+    elif code == CODE_INT4 or code == CODE_INT2:
+        bits = 4 if code == CODE_INT4 else 2
+        gb = 4 + 4 * bits
+        for g in range(n // 32):
+            o = gb * g
+            d = rd_f16(src, o)
+            m = rd_f16(src, o + 2)
+            if bits == 4:
+                for j in range(16):
+                    v = np.int64(src[o + 4 + j])
+                    out[32 * g + j] = np.float32(v & 0xF) * d + m
+                    out[32 * g + 16 + j] = np.float32(v >> 4) * d + m
+            else:
+                for j in range(8):
+                    v = np.int64(src[o + 4 + j])
+                    for k in range(4):
+                        out[32 * g + 8 * k + j] = np.float32((v >> (2 * k)) & 3) * d + m
+    else:
+        raise ValueError("unknown KV format code")
+
+
+# ----------------------------------------------------------------------------------------------
+# row API: dot with a float query, axpy
+#
+# Vectorization notes (checked with inspect_llvm): the block loops below index with np.uint64
+# (numba then emits no negative-index wraparound select, which otherwise turns contiguous loads into
+# gathers) and run to an "opaque" block length ``bs = n // (n // 32)`` (== 32, but LLVM cannot fold
+# it): with a literal 32 LLVM fully unrolls the block loop and then vectorizes ACROSS blocks with
+# masked gathers; with the opaque length it vectorizes the contiguous inner loop instead.
+# ----------------------------------------------------------------------------------------------
+
+U = np.uint64
+
+
+@njit(cache=True)
+def _bs(n):
+    nb = n // 32
+    if nb == 0:
+        return 32
+    return n // nb
+
+
+@njit(cache=True, fastmath=_FM)
+def _dot_q8_0(q, src):
+    n = q.shape[0]
+    bs = _bs(n)
+    s = np.float32(0.0)
+    for b in range(n // 32):
+        qo = bs * b
+        o = 34 * b + 2
+        t = np.float32(0.0)
+        for j in range(bs):
+            t += q[U(qo + j)] * np.float32(np.int8(src[U(o + j)]))
+        s += rd_f16(src, 34 * b) * t
+    return s
+
+
+@njit(cache=True, fastmath=_FM)
+def _dot_nib(q, src, bb, hdr, off):
+    """4-bit ggml-style nibbles (q4_0: off 8, q4_1: off 0 and a min): d*sum(q*(n-off)) + m*sum(q)."""
+    n = q.shape[0]
+    hb = _bs(n) // 2
+    s = np.float32(0.0)
+    for b in range(n // 32):
+        o = bb * b
+        qo = 32 * b
+        t = np.float32(0.0)
+        qs = np.float32(0.0)
+        for j in range(hb):
+            v = np.int32(src[U(o + hdr + j)])
+            q0 = q[U(qo + j)]
+            q1 = q[U(qo + hb + j)]
+            t += q0 * np.float32((v & 0xF) - off) + q1 * np.float32((v >> 4) - off)
+            qs += q0 + q1
+        s += rd_f16(src, o) * t
+        if hdr == 4:
+            s += rd_f16(src, o + 2) * qs
+    return s
+
+
+@njit(cache=True, fastmath=_FM)
+def _dot_iq4nl(q, src):
+    n = q.shape[0]
+    hb = _bs(n) // 2
+    s = np.float32(0.0)
+    for b in range(n // 32):
+        o = 18 * b
+        qo = 32 * b
+        t = np.float32(0.0)
+        for j in range(hb):
+            v = src[U(o + 2 + j)]
+            t += q[U(qo + j)] * _KV_IQ4NL_F[v & 0xF] + q[U(qo + hb + j)] * _KV_IQ4NL_F[v >> 4]
+        s += rd_f16(src, o) * t
+    return s
+
+
+@njit(cache=True)
+def _rd_u32(src, o):
+    return (np.int32(src[o]) | (np.int32(src[o + 1]) << 8) | (np.int32(src[o + 2]) << 16)
+            | (np.int32(src[o + 3]) << 24))
+
+
+@njit(cache=True, fastmath=_FM)
+def _dot_q5(q, src, asym):
+    n = q.shape[0]
+    hb = _bs(n) // 2
+    bb = 24 if asym else 22
+    ho = 4 if asym else 2
+    off = 0 if asym else 16
+    s = np.float32(0.0)
+    for b in range(n // 32):
+        o = bb * b
+        qo = 32 * b
+        qh = _rd_u32(src, o + ho)
+        t = np.float32(0.0)
+        qs = np.float32(0.0)
+        for j in range(hb):
+            v = np.int32(src[U(o + ho + 4 + j)])
+            q0 = q[U(qo + j)]
+            q1 = q[U(qo + hb + j)]
+            n0 = ((v & 0xF) | (((qh >> j) & 1) << 4)) - off
+            n1 = ((v >> 4) | (((qh >> (j + 16)) & 1) << 4)) - off
+            t += q0 * np.float32(n0) + q1 * np.float32(n1)
+            qs += q0 + q1
+        s += rd_f16(src, o) * t
+        if asym:
+            s += rd_f16(src, o + 2) * qs
+    return s
+
+
+@njit(cache=True, fastmath=_FM)
+def _dot_kivi(q, src, bits):
+    n = q.shape[0]
+    gb = 4 + 4 * bits
+    s = np.float32(0.0)
+    if bits == 4:
+        hb = _bs(n) // 2
+        for g in range(n // 32):
+            o = gb * g
+            qo = 32 * g
+            t = np.float32(0.0)
+            qs = np.float32(0.0)
+            for j in range(hb):
+                v = np.int32(src[U(o + 4 + j)])
+                q0 = q[U(qo + j)]
+                q1 = q[U(qo + hb + j)]
+                t += q0 * np.float32(v & 0xF) + q1 * np.float32(v >> 4)
+                qs += q0 + q1
+            s += rd_f16(src, o) * t + rd_f16(src, o + 2) * qs
+    else:
+        qb = _bs(n) // 4
+        for g in range(n // 32):
+            o = gb * g
+            qo = 32 * g
+            t = np.float32(0.0)
+            qs = np.float32(0.0)
+            for j in range(qb):
+                v = np.int32(src[U(o + 4 + j)])
+                q0 = q[U(qo + j)]
+                q1 = q[U(qo + qb + j)]
+                q2 = q[U(qo + 2 * qb + j)]
+                q3 = q[U(qo + 3 * qb + j)]
+                t += (q0 * np.float32(v & 3) + q1 * np.float32((v >> 2) & 3)
+                      + q2 * np.float32((v >> 4) & 3) + q3 * np.float32((v >> 6) & 3))
+                qs += q0 + q1 + q2 + q3
+            s += rd_f16(src, o) * t + rd_f16(src, o + 2) * qs
+    return s
+
+
+@njit(cache=True)
+def _f16_fast(h):
+    """Half bits (int32) -> float32 without branches on the common path (inf/NaN/subnormal exact)."""
+    e = h & 0x7C00
+    bits = ((h & 0x8000) << 16) | ((h & 0x7FFF) << 13)
+    if e == 0x7C00:
+        return bits_f32(np.uint32(bits | 0x7F800000))
+    if e == 0:
+        return f16_bits_to_f32(h)
+    return bits_f32(np.uint32(bits + (112 << 23)))
+
+
+@njit(cache=True, fastmath=_FM)
+def _dot_float(code, q, src):
+    n = q.shape[0]
+    s = np.float32(0.0)
+    if code == CODE_F32:
+        for j in range(n):
+            s += q[j] * rd_f32(src, 4 * j)
+    elif code == CODE_F16:
+        for j in range(n):
+            s += q[j] * _f16_fast(np.int32(src[U(2 * j)]) | (np.int32(src[U(2 * j + 1)]) << 8))
+    elif code == CODE_BF16:
+        for j in range(n):
+            s += q[j] * bits_f32(np.uint32((np.int32(src[U(2 * j)]) << 16)
+                                           | (np.int32(src[U(2 * j + 1)]) << 24)))
+    else:
+        tab = FP8_E4M3_TABLE if code == CODE_FP8_E4M3 else FP8_E5M2_TABLE
+        for j in range(n):
+            s += q[j] * tab[src[U(4 + j)]]
+        s *= rd_f32(src, 0)
+    return s
+
+
+@njit(cache=True, fastmath=_FM)
+def dot_row(code, q, src):
+    if code == CODE_Q8_0:
+        return _dot_q8_0(q, src)
+    if code == CODE_Q4_0:
+        return _dot_nib(q, src, 18, 2, 8)
+    if code == CODE_Q4_1:
+        return _dot_nib(q, src, 20, 4, 0)
+    if code == CODE_Q5_0:
+        return _dot_q5(q, src, False)
+    if code == CODE_Q5_1:
+        return _dot_q5(q, src, True)
+    if code == CODE_IQ4_NL:
+        return _dot_iq4nl(q, src)
+    if code == CODE_INT4:
+        return _dot_kivi(q, src, 4)
+    if code == CODE_INT2:
+        return _dot_kivi(q, src, 2)
+    if code < 0 or code > CODE_INT2:
+        raise ValueError("unknown KV format code")
+    return _dot_float(code, q, src)
+
+
+@njit(cache=True, fastmath=_FM)
+def axpy_row(code, p, src, acc):
+    n = acc.shape[0]
+    bs = _bs(n)
+    hb = bs // 2
+    p = np.float32(p)
+    if code == CODE_F32:
+        for j in range(n):
+            acc[j] += p * rd_f32(src, 4 * j)
+    elif code == CODE_F16:
+        for j in range(n):
+            acc[j] += p * _f16_fast(np.int32(src[U(2 * j)]) | (np.int32(src[U(2 * j + 1)]) << 8))
+    elif code == CODE_BF16:
+        for j in range(n):
+            acc[j] += p * bits_f32(np.uint32((np.int32(src[U(2 * j)]) << 16)
+                                             | (np.int32(src[U(2 * j + 1)]) << 24)))
+    elif code == CODE_Q8_0:
+        for b in range(n // 32):
+            o = 34 * b + 2
+            ao = bs * b
+            pd = p * rd_f16(src, 34 * b)
+            for j in range(bs):
+                acc[U(ao + j)] += pd * np.float32(np.int8(src[U(o + j)]))
+    elif code == CODE_Q4_0 or code == CODE_Q4_1:
+        asym = code == CODE_Q4_1
+        bb = 20 if asym else 18
+        hdr = 4 if asym else 2
+        off = 0 if asym else 8
+        for b in range(n // 32):
+            o = bb * b
+            ao = 32 * b
+            d = rd_f16(src, o)
+            m = rd_f16(src, o + 2) if asym else np.float32(0.0)
+            for j in range(hb):
+                v = np.int32(src[U(o + hdr + j)])
+                acc[U(ao + j)] += p * (d * np.float32((v & 0xF) - off) + m)
+                acc[U(ao + hb + j)] += p * (d * np.float32((v >> 4) - off) + m)
+    elif code == CODE_IQ4_NL:
+        for b in range(n // 32):
+            o = 18 * b
+            ao = 32 * b
+            pd = p * rd_f16(src, o)
+            for j in range(hb):
+                v = src[U(o + 2 + j)]
+                acc[U(ao + j)] += pd * _KV_IQ4NL_F[v & 0xF]
+                acc[U(ao + hb + j)] += pd * _KV_IQ4NL_F[v >> 4]
+    elif code == CODE_Q5_0 or code == CODE_Q5_1:
+        asym = code == CODE_Q5_1
+        bb = 24 if asym else 22
+        ho = 4 if asym else 2
+        off = 0 if asym else 16
+        for b in range(n // 32):
+            o = bb * b
+            ao = 32 * b
+            d = rd_f16(src, o)
+            m = rd_f16(src, o + 2) if asym else np.float32(0.0)
+            qh = _rd_u32(src, o + ho)
+            for j in range(hb):
+                v = np.int32(src[U(o + ho + 4 + j)])
+                n0 = ((v & 0xF) | (((qh >> j) & 1) << 4)) - off
+                n1 = ((v >> 4) | (((qh >> (j + 16)) & 1) << 4)) - off
+                acc[U(ao + j)] += p * (d * np.float32(n0) + m)
+                acc[U(ao + hb + j)] += p * (d * np.float32(n1) + m)
+    elif code == CODE_FP8_E4M3 or code == CODE_FP8_E5M2:
+        tab = FP8_E4M3_TABLE if code == CODE_FP8_E4M3 else FP8_E5M2_TABLE
+        ps = p * rd_f32(src, 0)
+        for j in range(n):
+            acc[j] += ps * tab[src[U(4 + j)]]
+    elif code == CODE_INT4:
+        for g in range(n // 32):
+            o = 20 * g + 4
+            ao = 32 * g
+            d = rd_f16(src, o - 4)
+            m = rd_f16(src, o - 2)
+            for j in range(hb):
+                v = np.int32(src[U(o + j)])
+                acc[U(ao + j)] += p * (d * np.float32(v & 0xF) + m)
+                acc[U(ao + hb + j)] += p * (d * np.float32(v >> 4) + m)
+    elif code == CODE_INT2:
+        qb = bs // 4
+        for g in range(n // 32):
+            o = 12 * g + 4
+            ao = 32 * g
+            d = rd_f16(src, o - 4)
+            m = rd_f16(src, o - 2)
+            for j in range(qb):
+                v = np.int32(src[U(o + j)])
+                acc[U(ao + j)] += p * (d * np.float32(v & 3) + m)
+                acc[U(ao + qb + j)] += p * (d * np.float32((v >> 2) & 3) + m)
+                acc[U(ao + 2 * qb + j)] += p * (d * np.float32((v >> 4) & 3) + m)
+                acc[U(ao + 3 * qb + j)] += p * (d * np.float32((v >> 6) & 3) + m)
+    else:
+        raise ValueError("unknown KV format code")
+
+
+# ----------------------------------------------------------------------------------------------
+# q8 query: integer block sums
+# ----------------------------------------------------------------------------------------------
+
+@njit(cache=True)
+def quantize_query_q8s(q, qq, qd, qsum):
+    """q -> int8 qq with one f32 scale per 32 (amax/127, round half away) and per-block sum(qq)."""
+    for b in range(q.shape[0] // 32):
+        amax = np.float32(0.0)
+        for j in range(32):
+            a = abs(q[32 * b + j])
+            if a > amax:
+                amax = a
+        d = amax / np.float32(127.0)
+        idd = np.float32(1.0) / d if d != np.float32(0.0) else np.float32(0.0)
+        qd[b] = d
+        s = 0
+        for j in range(32):
+            v = np.int64(roundf_away(q[32 * b + j] * idd))
+            qq[32 * b + j] = np.int8(v)
+            s += v
+        qsum[b] = np.int32(s)
+
+
+@njit(cache=True)
+def quantize_query_q8(q, qq, qd):
+    qsum = np.empty(q.shape[0] // 32, dtype=np.int32)
+    quantize_query_q8s(q, qq, qd, qsum)
+
+
+@njit(cache=True)
+def _isum_q8_0(qq, src, qo, o, bs):
+    s = np.int32(0)
+    for j in range(bs):
+        s += np.int32(qq[U(qo + j)]) * np.int32(np.int8(src[U(o + j)]))
+    return s
+
+
+@njit(cache=True)
+def _isum_nib(qq, src, qo, o, off, hb):
+    s = np.int32(0)
+    for j in range(hb):
+        v = np.int32(src[U(o + j)])
+        s += np.int32(qq[U(qo + j)]) * ((v & 0xF) - off) + np.int32(qq[U(qo + hb + j)]) * ((v >> 4) - off)
+    return s
+
+
+@njit(cache=True)
+def _isum_iq4nl(qq, src, qo, o, hb):
+    s = np.int32(0)
+    for j in range(hb):
+        v = src[U(o + j)]
+        s += (np.int32(qq[U(qo + j)]) * np.int32(KVALUES_IQ4NL[v & 0xF])
+              + np.int32(qq[U(qo + hb + j)]) * np.int32(KVALUES_IQ4NL[v >> 4]))
+    return s
+
+
+@njit(cache=True)
+def _isum_q5(qq, src, qo, o, qh, off, hb):
+    s = np.int32(0)
+    for j in range(hb):
+        v = np.int32(src[U(o + j)])
+        n0 = ((v & 0xF) | (((qh >> j) & 1) << 4)) - off
+        n1 = ((v >> 4) | (((qh >> (j + 16)) & 1) << 4)) - off
+        s += np.int32(qq[U(qo + j)]) * n0 + np.int32(qq[U(qo + hb + j)]) * n1
+    return s
+
+
+@njit(cache=True)
+def _isum_2bit(qq, src, qo, o, qb):
+    s = np.int32(0)
+    for j in range(qb):
+        v = np.int32(src[U(o + j)])
+        s += (np.int32(qq[U(qo + j)]) * (v & 3) + np.int32(qq[U(qo + qb + j)]) * ((v >> 2) & 3)
+              + np.int32(qq[U(qo + 2 * qb + j)]) * ((v >> 4) & 3)
+              + np.int32(qq[U(qo + 3 * qb + j)]) * ((v >> 6) & 3))
+    return s
+
+
+@njit(cache=True, fastmath=_FM)
+def dot_row_q8s(code, qq, qd, qsum, src):
+    """dot(dequant(qq, qd), dequant(src)); integer sums inside each block of 32."""
+    n = qq.shape[0]
+    nb = n // 32
+    bs = _bs(n)
+    hb = bs // 2
+    s = np.float32(0.0)
+    if code == CODE_Q8_0:
+        for b in range(nb):
+            s += np.float32(_isum_q8_0(qq, src, bs * b, 34 * b + 2, bs)) * (qd[b] * rd_f16(src, 34 * b))
+    elif code == CODE_Q4_0:
+        for b in range(nb):
+            s += np.float32(_isum_nib(qq, src, 32 * b, 18 * b + 2, 8, hb)) * (qd[b] * rd_f16(src, 18 * b))
+    elif code == CODE_IQ4_NL:
+        for b in range(nb):
+            s += np.float32(_isum_iq4nl(qq, src, 32 * b, 18 * b + 2, hb)) * (qd[b] * rd_f16(src, 18 * b))
+    elif code == CODE_Q4_1 or code == CODE_INT4:
+        for b in range(nb):
+            o = 20 * b
+            s += qd[b] * (np.float32(_isum_nib(qq, src, 32 * b, o + 4, 0, hb)) * rd_f16(src, o)
+                          + np.float32(qsum[b]) * rd_f16(src, o + 2))
+    elif code == CODE_INT2:
+        for b in range(nb):
+            o = 12 * b
+            s += qd[b] * (np.float32(_isum_2bit(qq, src, 32 * b, o + 4, bs // 4)) * rd_f16(src, o)
+                          + np.float32(qsum[b]) * rd_f16(src, o + 2))
+    elif code == CODE_Q5_0 or code == CODE_Q5_1:
+        asym = code == CODE_Q5_1
+        bb = 24 if asym else 22
+        ho = 4 if asym else 2
+        off = 0 if asym else 16
+        for b in range(nb):
+            o = bb * b
+            qh = _rd_u32(src, o + ho)
+            t = np.float32(_isum_q5(qq, src, 32 * b, o + ho + 4, qh, off, hb)) * rd_f16(src, o)
+            if asym:
+                t += np.float32(qsum[b]) * rd_f16(src, o + 2)
+            s += qd[b] * t
+    elif code >= 0 and code <= CODE_INT2:
+        # float / fp8 rows: float dot with the dequantized query, one query scale per block
+        for b in range(nb):
+            t = np.float32(0.0)
+            qo = bs * b
+            if code == CODE_F32:
+                for j in range(bs):
+                    t += np.float32(qq[U(qo + j)]) * rd_f32(src, 4 * (qo + j))
+            elif code == CODE_F16:
+                for j in range(bs):
+                    i = U(2 * (qo + j))
+                    t += np.float32(qq[U(qo + j)]) * _f16_fast(np.int32(src[i]) | (np.int32(src[i + U(1)]) << 8))
+            elif code == CODE_BF16:
+                for j in range(bs):
+                    i = U(2 * (qo + j))
+                    t += np.float32(qq[U(qo + j)]) * bits_f32(np.uint32((np.int32(src[i]) << 16)
+                                                                        | (np.int32(src[i + U(1)]) << 24)))
+            else:
+                tab = FP8_E4M3_TABLE if code == CODE_FP8_E4M3 else FP8_E5M2_TABLE
+                for j in range(bs):
+                    t += np.float32(qq[U(qo + j)]) * tab[src[U(4 + qo + j)]]
+            s += qd[b] * t
+        if code == CODE_FP8_E4M3 or code == CODE_FP8_E5M2:
+            s *= rd_f32(src, 0)
+    else:
+        raise ValueError("unknown KV format code")
+    return s
+
+
+@njit(cache=True)
+def _qsums(qq):
+    nb = qq.shape[0] // 32
+    qsum = np.zeros(nb, dtype=np.int32)
+    for b in range(nb):
+        t = np.int32(0)
+        for j in range(32):
+            t += np.int32(qq[32 * b + j])
+        qsum[b] = t
+    return qsum
+
+
+@njit(cache=True)
+def dot_row_q8(code, qq, qd, src):
+    """As dot_row_q8s; the per-block sum(qq) (needed by q4_1/q5_1/int4/int2) is computed here."""
+    if code == CODE_Q4_1 or code == CODE_Q5_1 or code == CODE_INT4 or code == CODE_INT2:
+        return dot_row_q8s(code, qq, qd, _qsums(qq), src)
+    return dot_row_q8s(code, qq, qd, np.empty(0, dtype=np.int32), src)
+
+
+# ----------------------------------------------------------------------------------------------
+# whole-tensor helpers
+# ----------------------------------------------------------------------------------------------
+
+@njit(cache=True, parallel=True)
+def quantize_rows(code, X, dst):
+    """Quantize every row of X (row length: any multiple of the block size) into dst[N, row_bytes]."""
+    for i in prange(X.shape[0]):
+        quantize_row(code, X[i], dst[i])
+
+
+@njit(cache=True, parallel=True)
+def quantize_rows_iq4_nl(X, dst, ntry):
+    for i in prange(X.shape[0]):
+        quantize_row_iq4_nl(X[i], dst[i], ntry)
+
+
+@njit(cache=True, parallel=True)
+def dequantize_rows(code, src, out):
+    for i in prange(out.shape[0]):
+        dequantize_row(code, src[i], out[i])
+
+
+# ----------------------------------------------------------------------------------------------
+# KIVI keys: per-channel quantization over a page of P tokens
+# ----------------------------------------------------------------------------------------------
+
+@njit(cache=True)
+def kivi_kpage_bytes(bits, hd, p):
+    return 4 * hd + p * hd * bits // 8
+
+
+@njit(cache=True)
+def kivi_quantize_kpage(bits, xk, dst):
+    """xk f32[P, HD] -> dst: [f16 d[HD]][f16 m[HD]][P token-major rows of HD*bits/8 code bytes]."""
+    p, hd = xk.shape
+    qmax = (1 << bits) - 1
+    rb = hd * bits // 8
+    codes = np.empty((p, hd), dtype=np.int64)
+    for c in range(hd):
+        mn = xk[0, c]
+        mx = xk[0, c]
+        for t in range(1, p):
+            v = xk[t, c]
+            if v < mn:
+                mn = v
+            if v > mx:
+                mx = v
+        d16, m16, d, m = kivi_params(mn, mx, qmax)
+        wr_u16(dst, 2 * c, d16)
+        wr_u16(dst, 2 * hd + 2 * c, m16)
+        for t in range(p):
+            codes[t, c] = kivi_code(xk[t, c], m, d, qmax)
+    for t in range(p):
+        o = 4 * hd + t * rb
+        for g in range(hd // 32):
+            c0 = 32 * g
+            if bits == 4:
+                for j in range(16):
+                    dst[o + 16 * g + j] = np.uint8(codes[t, c0 + j] | (codes[t, c0 + 16 + j] << 4))
+            else:
+                for j in range(8):
+                    dst[o + 8 * g + j] = np.uint8(codes[t, c0 + j] | (codes[t, c0 + 8 + j] << 2)
+                                                  | (codes[t, c0 + 16 + j] << 4)
+                                                  | (codes[t, c0 + 24 + j] << 6))
+
+
+@njit(cache=True)
+def kivi_dequant_k(bits, page, t, P, out):
+    hd = out.shape[0]
+    o = 4 * hd + t * (hd * bits // 8)
+    for g in range(hd // 32):
+        c0 = 32 * g
+        if bits == 4:
+            for j in range(16):
+                v = np.int64(page[o + 16 * g + j])
+                c = c0 + j
+                out[c] = np.float32(v & 0xF) * rd_f16(page, 2 * c) + rd_f16(page, 2 * hd + 2 * c)
+                c = c0 + 16 + j
+                out[c] = np.float32(v >> 4) * rd_f16(page, 2 * c) + rd_f16(page, 2 * hd + 2 * c)
+        else:
+            for j in range(8):
+                v = np.int64(page[o + 8 * g + j])
+                for k in range(4):
+                    c = c0 + 8 * k + j
+                    out[c] = (np.float32((v >> (2 * k)) & 3) * rd_f16(page, 2 * c)
+                              + rd_f16(page, 2 * hd + 2 * c))
+
+
+@njit(cache=True, fastmath=_FM)
+def kivi_k_prep(bits, q, page, P, qd):
+    """Per (query, page): qd[c] = q[c] * d[c]; returns qm = sum_c q[c] * m[c]."""
+    hd = q.shape[0]
+    qm = np.float32(0.0)
+    for c in range(hd):
+        qd[c] = q[c] * rd_f16(page, 2 * c)
+        qm += q[c] * rd_f16(page, 2 * hd + 2 * c)
+    return qm
+
+
+@njit(cache=True, fastmath=_FM)
+def kivi_dot_k_prepped(bits, qd, qm, page, t, P):
+    hd = qd.shape[0]
+    o = 4 * hd + t * (hd * bits // 8)
+    s = np.float32(0.0)
+    for g in range(hd // 32):
+        c0 = 32 * g
+        if bits == 4:
+            for j in range(16):
+                v = np.int32(page[o + 16 * g + j])
+                s += qd[c0 + j] * np.float32(v & 0xF) + qd[c0 + 16 + j] * np.float32(v >> 4)
+        else:
+            for j in range(8):
+                v = np.int32(page[o + 8 * g + j])
+                s += (qd[c0 + j] * np.float32(v & 3) + qd[c0 + 8 + j] * np.float32((v >> 2) & 3)
+                      + qd[c0 + 16 + j] * np.float32((v >> 4) & 3)
+                      + qd[c0 + 24 + j] * np.float32((v >> 6) & 3))
+    return s + qm
+
+
+@njit(cache=True, fastmath=_FM)
+def kivi_dot_k(bits, q, page, t, P):
+    """dot(q, key t of the page) without a temporary (decodes the channel scales on the fly)."""
+    hd = q.shape[0]
+    o = 4 * hd + t * (hd * bits // 8)
+    s = np.float32(0.0)
+    for g in range(hd // 32):
+        c0 = 32 * g
+        if bits == 4:
+            for j in range(16):
+                v = np.int64(page[o + 16 * g + j])
+                c = c0 + j
+                s += q[c] * (np.float32(v & 0xF) * rd_f16(page, 2 * c) + rd_f16(page, 2 * hd + 2 * c))
+                c = c0 + 16 + j
+                s += q[c] * (np.float32(v >> 4) * rd_f16(page, 2 * c) + rd_f16(page, 2 * hd + 2 * c))
+        else:
+            for j in range(8):
+                v = np.int64(page[o + 8 * g + j])
+                for k in range(4):
+                    c = c0 + 8 * k + j
+                    s += q[c] * (np.float32((v >> (2 * k)) & 3) * rd_f16(page, 2 * c)
+                                 + rd_f16(page, 2 * hd + 2 * c))
+    return s

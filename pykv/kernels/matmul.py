@@ -1,0 +1,549 @@
+"""Matrix-vector / matrix-matrix products with GGUF weights kept quantized in memory.
+
+Public API (used by the model code):
+
+    prepare_weight(ggml_type, data, rows, cols) -> Weight      # once, at load
+    Act(cols, max_tokens); act.set(x)                           # x float32 (T, cols)
+    matmul(w, act, out)                                         # out[:T] = x @ W.T  (out float32 (>=T, rows))
+    get_rows(w, ids, out)                                       # out[i] = dequantize(W[ids[i]])
+    set_exact(flag)                                             # True: float activations (checking)
+
+Block layouts (ggml, little endian; "d"/"m" are f16):
+    Q8_0  34 B / 32: d, qs[32] int8                          x = d*q
+    Q4_0  18 B / 32: d, qs[16]   (lo nibble: j, hi: j+16)   x = d*(q-8)
+    Q4_1  20 B / 32: d, m, qs[16]                           x = d*q + m
+    Q5_0  22 B / 32: d, qh u32, qs[16] (bit j of qh = bit 4 of element j)   x = d*(q-16)
+    Q5_1  24 B / 32: d, m, qh u32, qs[16]                   x = d*q + m
+    Q4_K 144 B / 256: d, dmin, scales[12] (8 x 6-bit sc and m), qs[128]
+          (4 chunks of 32 bytes; chunk c: sub-block 2c = lo nibbles, 2c+1 = hi)   x = d*sc*q - dmin*m
+    Q5_K 176 B / 256: d, dmin, scales[12], qh[32] (bit s of qh[l] = bit 4 of sub-block s, element l), qs[128]
+    Q6_K 210 B / 256: ql[128], qh[64], scales[16] int8, d
+          element 128h + 32k + l: lo4 = ql[64h + 32(k&1) + l] >> 4(k>>1), hi2 = qh[32h + l] >> 2k,
+          x = d * sc[(128h + 32k + l) // 16] * (q - 32)
+
+Quantized-activation ("q8") mode: activations are quantized once per Act.set into blocks of 32
+(llama.cpp's q8_0/q8_1 scheme: d = amax/127, q = round(x/d), plus the block sum of q). The same
+32-blocks serve every weight type (K-quants included: their sub-blocks are 32 or 16 elements, so a
+32-block activation scale is at least as fine as llama.cpp's q8_K), so one quantization per Act serves
+Q, K, V (or gate, up) whatever their types. Float weight types (F32/F16/BF16) always use float x.
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+import numba
+
+from gguf import GGMLQuantizationType as _GT
+
+__all__ = ["Weight", "Act", "prepare_weight", "matmul", "get_rows", "set_exact", "SUPPORTED_TYPES"]
+
+# fast-math without nnan/ninf (keeps inf/nan semantics honest) and without denormal flushing
+_FM = {"contract", "reassoc", "nsz", "arcp"}
+
+F32, F16, BF16 = int(_GT.F32), int(_GT.F16), int(_GT.BF16)
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = int(_GT.Q4_0), int(_GT.Q4_1), int(_GT.Q5_0), int(_GT.Q5_1), int(_GT.Q8_0)
+Q4_K, Q5_K, Q6_K = int(_GT.Q4_K), int(_GT.Q5_K), int(_GT.Q6_K)
+
+# ggml type -> (elements per block, bytes per block)
+_BLOCK = {
+    F32: (1, 4), F16: (1, 2), BF16: (1, 2),
+    Q8_0: (32, 34), Q4_0: (32, 18), Q4_1: (32, 20), Q5_0: (32, 22), Q5_1: (32, 24),
+    Q4_K: (256, 144), Q5_K: (256, 176), Q6_K: (256, 210),
+}
+SUPPORTED_TYPES = tuple(_BLOCK)
+_FLOAT_TYPES = (F32, F16, BF16)
+
+_EXACT = False
+
+
+def set_exact(flag: bool) -> None:
+    """True: float activations, weights dequantized on the fly (for checking). False: fastest path."""
+    global _EXACT
+    _EXACT = bool(flag)
+
+
+# ----------------------------------------------------------------------------------------------------
+# scalar helpers
+# ----------------------------------------------------------------------------------------------------
+
+@njit(cache=True, nogil=True, inline="always")
+def _h2f(h):
+    """IEEE half (given as an integer 0..65535) -> float32, exact (subnormals, inf, nan)."""
+    h = np.uint32(h)
+    sign = (h & np.uint32(0x8000)) << np.uint32(16)
+    em = h & np.uint32(0x7FFF)
+    if em >= np.uint32(0x7C00):
+        bits = sign | np.uint32(0x7F800000) | ((h & np.uint32(0x3FF)) << np.uint32(13))
+    elif em >= np.uint32(0x0400):
+        bits = sign | ((em << np.uint32(13)) + np.uint32(0x38000000))
+    else:  # zero / subnormal: em * 2^-24, exact in float32
+        v = np.float32(np.float32(np.int32(em)) * np.float32(5.9604644775390625e-08))
+        bits = sign | v.view(np.uint32)
+    return np.uint32(bits).view(np.float32)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _rd16(w, o):
+    return np.int32(w[o]) | (np.int32(w[o + 1]) << 8)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _k_scale_min(w, o, s):
+    """6-bit (scale, min) of sub-block s (0..7) from the 12 packed bytes at w[o:o+12] (Q4_K/Q5_K)."""
+    if s < 4:
+        sc = np.int32(w[o + s]) & 63
+        mn = np.int32(w[o + s + 4]) & 63
+    else:
+        sc = (np.int32(w[o + s + 4]) & 0x0F) | ((np.int32(w[o + s - 4]) >> 6) << 4)
+        mn = (np.int32(w[o + s + 4]) >> 4) | ((np.int32(w[o + s]) >> 6) << 4)
+    return sc, mn
+
+
+# ----------------------------------------------------------------------------------------------------
+# row dequantization (bit-exact with gguf.quants.dequantize: same float32 operations, no FMA contraction)
+# ----------------------------------------------------------------------------------------------------
+
+@njit(cache=True, nogil=True)
+def _deq_row(kind, w, y):
+    n = y.shape[0]
+    if kind == F32:
+        for j in range(n):
+            y[j] = np.uint32(np.uint32(w[4 * j]) | (np.uint32(w[4 * j + 1]) << np.uint32(8))
+                             | (np.uint32(w[4 * j + 2]) << np.uint32(16))
+                             | (np.uint32(w[4 * j + 3]) << np.uint32(24))).view(np.float32)
+    elif kind == F16:
+        for j in range(n):
+            y[j] = _h2f(_rd16(w, 2 * j))
+    elif kind == BF16:
+        for j in range(n):
+            y[j] = np.uint32(np.uint32(_rd16(w, 2 * j)) << np.uint32(16)).view(np.float32)
+    elif kind == Q8_0:
+        for b in range(n // 32):
+            o = 34 * b
+            d = _h2f(_rd16(w, o))
+            for j in range(32):
+                y[32 * b + j] = d * np.float32(np.int8(w[o + 2 + j]))
+    elif kind == Q4_0:
+        for b in range(n // 32):
+            o = 18 * b
+            d = _h2f(_rd16(w, o))
+            for j in range(16):
+                v = np.int32(w[o + 2 + j])
+                y[32 * b + j] = d * np.float32((v & 15) - 8)
+                y[32 * b + j + 16] = d * np.float32((v >> 4) - 8)
+    elif kind == Q4_1:
+        for b in range(n // 32):
+            o = 20 * b
+            d = _h2f(_rd16(w, o))
+            m = _h2f(_rd16(w, o + 2))
+            for j in range(16):
+                v = np.int32(w[o + 4 + j])
+                y[32 * b + j] = d * np.float32(v & 15) + m
+                y[32 * b + j + 16] = d * np.float32(v >> 4) + m
+    elif kind == Q5_0 or kind == Q5_1:
+        bs = 22 if kind == Q5_0 else 24
+        for b in range(n // 32):
+            o = bs * b
+            d = _h2f(_rd16(w, o))
+            m = np.float32(0.0)
+            if kind == Q5_1:
+                m = _h2f(_rd16(w, o + 2))
+                o += 2
+            qh = (np.int64(w[o + 2]) | (np.int64(w[o + 3]) << 8) | (np.int64(w[o + 4]) << 16)
+                  | (np.int64(w[o + 5]) << 24))
+            for j in range(16):
+                v = np.int32(w[o + 6 + j])
+                lo = (v & 15) | np.int32(((qh >> j) & 1) << 4)
+                hi = (v >> 4) | np.int32(((qh >> (j + 16)) & 1) << 4)
+                if kind == Q5_0:
+                    y[32 * b + j] = d * np.float32(lo - 16)
+                    y[32 * b + j + 16] = d * np.float32(hi - 16)
+                else:
+                    y[32 * b + j] = d * np.float32(lo) + m
+                    y[32 * b + j + 16] = d * np.float32(hi) + m
+    elif kind == Q4_K or kind == Q5_K:
+        bs = 144 if kind == Q4_K else 176
+        qo = 16 if kind == Q4_K else 48
+        for b in range(n // 256):
+            o = bs * b
+            d = _h2f(_rd16(w, o))
+            dmin = _h2f(_rd16(w, o + 2))
+            for s in range(8):
+                sc, mn = _k_scale_min(w, o + 4, s)
+                ds = d * np.float32(sc)
+                dm = dmin * np.float32(mn)
+                c = s >> 1
+                sh = 4 * (s & 1)
+                for l in range(32):
+                    q = (np.int32(w[o + qo + 32 * c + l]) >> sh) & 15
+                    if kind == Q5_K:
+                        q |= ((np.int32(w[o + 16 + l]) >> s) & 1) << 4
+                    y[256 * b + 32 * s + l] = ds * np.float32(q) - dm
+    elif kind == Q6_K:
+        for b in range(n // 256):
+            o = 210 * b
+            d = _h2f(_rd16(w, o + 208))
+            for h in range(2):
+                for k in range(4):
+                    for l in range(32):
+                        e = 128 * h + 32 * k + l
+                        lo = (np.int32(w[o + 64 * h + 32 * (k & 1) + l]) >> (4 * (k >> 1))) & 15
+                        hi = (np.int32(w[o + 128 + 32 * h + l]) >> (2 * k)) & 3
+                        sc = np.float32(np.int8(w[o + 192 + e // 16]))
+                        y[256 * b + e] = (d * sc) * np.float32((lo | (hi << 4)) - 32)
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def _get_rows_kernel(kind, raw, ids, out):
+    for i in prange(ids.shape[0]):
+        _deq_row(kind, raw[ids[i]], out[i])
+
+
+# ----------------------------------------------------------------------------------------------------
+# exact mode: each row dequantized (bit-exact) into a per-chunk L1 buffer, float64 dots
+# ----------------------------------------------------------------------------------------------------
+
+@njit(cache=True, nogil=True, parallel=True, fastmath=_FM)
+def _mm_exact(kind, raw, T, x, scratch, out):
+    rows = raw.shape[0]
+    nch = min(scratch.shape[0], rows)
+    cols = x.shape[1]
+    for c in prange(nch):
+        buf = scratch[c]
+        r0 = c * rows // nch
+        r1 = (c + 1) * rows // nch
+        for r in range(r0, r1):
+            _deq_row(kind, raw[r], buf)
+            for t in range(T):
+                acc = 0.0
+                for j in range(cols):
+                    acc += np.float64(buf[j]) * np.float64(x[t, j])
+                out[t, r] = acc
+
+
+# ----------------------------------------------------------------------------------------------------
+# float weights (F32/F16/BF16), float activations: used in both modes
+# ----------------------------------------------------------------------------------------------------
+
+@njit(cache=True, nogil=True, parallel=True, fastmath=_FM)
+def _mm_f32(W, T, x, out):
+    rows, cols = W.shape
+    for r in prange(rows):
+        for t in range(T):
+            acc = np.float32(0.0)
+            for j in range(cols):
+                acc += W[r, j] * x[t, j]
+            out[t, r] = acc
+
+
+@njit(cache=True, nogil=True, parallel=True, fastmath=_FM)
+def _mm_f16(W, T, x, out):
+    rows, cols = W.shape
+    for r in prange(rows):
+        for t in range(T):
+            acc = np.float32(0.0)
+            for j in range(cols):
+                acc += _h2f(W[r, j]) * x[t, j]
+            out[t, r] = acc
+
+
+@njit(cache=True, nogil=True, parallel=True, fastmath=_FM)
+def _mm_bf16(W, T, x, out):
+    rows, cols = W.shape
+    for r in prange(rows):
+        for t in range(T):
+            acc = np.float32(0.0)
+            for j in range(cols):
+                acc += np.uint32(np.uint32(W[r, j]) << np.uint32(16)).view(np.float32) * x[t, j]
+            out[t, r] = acc
+
+
+# ----------------------------------------------------------------------------------------------------
+# activation quantization: q8 blocks of 32 (llama.cpp q8_0 / q8_1)
+# ----------------------------------------------------------------------------------------------------
+
+@njit(cache=True, nogil=True, fastmath=_FM)
+def _act_set(x, T, X, XQ, XD, XS):
+    cols = x.shape[1]
+    for t in range(T):
+        for j in range(cols):
+            X[t, j] = x[t, j]
+    nb = XD.shape[1]
+    if nb == 0:
+        return
+    for t in range(T):
+        for b in range(nb):
+            amax = np.float32(0.0)
+            for j in range(32):
+                a = abs(x[t, 32 * b + j])
+                if a > amax:
+                    amax = a
+            d = amax / np.float32(127.0)
+            idd = np.float32(1.0) / d if d != 0 else np.float32(0.0)
+            s = 0
+            for j in range(32):
+                v = x[t, 32 * b + j] * idd
+                # roundf: half away from zero
+                q = np.int32(np.floor(abs(v) + np.float32(0.5)))
+                if v < 0:
+                    q = -q
+                XQ[t, 32 * b + j] = q
+                s += q
+            XD[t, b] = d
+            XS[t, b] = s
+
+
+# ----------------------------------------------------------------------------------------------------
+# q8-activation integer-dot kernels
+# ----------------------------------------------------------------------------------------------------
+
+@njit(cache=True, nogil=True, inline="always")
+def _dot_q8_generic(kind, w, xq, xd, xs):
+    """dot of one raw weight row with one q8-quantized activation row (blocks of 32)."""
+    nb = xd.shape[0]
+    acc = np.float32(0.0)
+    if kind == Q8_0:
+        for b in range(nb):
+            o = 34 * b
+            isum = np.int32(0)
+            for j in range(32):
+                isum += np.int32(np.int8(w[o + 2 + j])) * np.int32(xq[32 * b + j])
+            acc += _h2f(_rd16(w, o)) * xd[b] * np.float32(isum)
+    elif kind == Q4_0:
+        for b in range(nb):
+            o = 18 * b
+            isum = np.int32(0)
+            for j in range(16):
+                v = np.int32(w[o + 2 + j])
+                isum += (v & 15) * np.int32(xq[32 * b + j]) + (v >> 4) * np.int32(xq[32 * b + j + 16])
+            acc += _h2f(_rd16(w, o)) * xd[b] * np.float32(isum - 8 * xs[b])
+    elif kind == Q4_1:
+        for b in range(nb):
+            o = 20 * b
+            isum = np.int32(0)
+            for j in range(16):
+                v = np.int32(w[o + 4 + j])
+                isum += (v & 15) * np.int32(xq[32 * b + j]) + (v >> 4) * np.int32(xq[32 * b + j + 16])
+            acc += xd[b] * (_h2f(_rd16(w, o)) * np.float32(isum) + _h2f(_rd16(w, o + 2)) * np.float32(xs[b]))
+    elif kind == Q5_0 or kind == Q5_1:
+        bs = 22 if kind == Q5_0 else 24
+        ho = 2 if kind == Q5_0 else 4
+        for b in range(nb):
+            o = bs * b
+            qh = (np.int64(w[o + ho]) | (np.int64(w[o + ho + 1]) << 8) | (np.int64(w[o + ho + 2]) << 16)
+                  | (np.int64(w[o + ho + 3]) << 24))
+            isum = np.int32(0)
+            for j in range(16):
+                v = np.int32(w[o + ho + 4 + j])
+                lo = (v & 15) | np.int32(((qh >> j) & 1) << 4)
+                hi = (v >> 4) | np.int32(((qh >> (j + 16)) & 1) << 4)
+                isum += lo * np.int32(xq[32 * b + j]) + hi * np.int32(xq[32 * b + j + 16])
+            d = _h2f(_rd16(w, o))
+            if kind == Q5_0:
+                acc += d * xd[b] * np.float32(isum - 16 * xs[b])
+            else:
+                acc += xd[b] * (d * np.float32(isum) + _h2f(_rd16(w, o + 2)) * np.float32(xs[b]))
+    elif kind == Q4_K or kind == Q5_K:
+        bs = 144 if kind == Q4_K else 176
+        qo = 16 if kind == Q4_K else 48
+        for sb in range(nb // 8):
+            o = bs * sb
+            d = _h2f(_rd16(w, o))
+            dmin = _h2f(_rd16(w, o + 2))
+            sacc = np.float32(0.0)
+            macc = np.float32(0.0)
+            for s in range(8):
+                sc, mn = _k_scale_min(w, o + 4, s)
+                c = s >> 1
+                sh = 4 * (s & 1)
+                x0 = 256 * sb + 32 * s
+                isum = np.int32(0)
+                for l in range(32):
+                    q = (np.int32(w[o + qo + 32 * c + l]) >> sh) & 15
+                    if kind == Q5_K:
+                        q |= ((np.int32(w[o + 16 + l]) >> s) & 1) << 4
+                    isum += q * np.int32(xq[x0 + l])
+                b = 8 * sb + s
+                sacc += xd[b] * np.float32(sc * isum)
+                macc += xd[b] * np.float32(mn * xs[b])
+            acc += d * sacc - dmin * macc
+    elif kind == Q6_K:
+        for sb in range(nb // 8):
+            o = 210 * sb
+            d = _h2f(_rd16(w, o + 208))
+            sacc = np.float32(0.0)
+            for h in range(2):
+                for k in range(4):
+                    x0 = 256 * sb + 128 * h + 32 * k
+                    i0 = np.int32(0)
+                    i1 = np.int32(0)
+                    for l in range(16):
+                        lo = (np.int32(w[o + 64 * h + 32 * (k & 1) + l]) >> (4 * (k >> 1))) & 15
+                        hi = (np.int32(w[o + 128 + 32 * h + l]) >> (2 * k)) & 3
+                        i0 += ((lo | (hi << 4)) - 32) * np.int32(xq[x0 + l])
+                    for l in range(16, 32):
+                        lo = (np.int32(w[o + 64 * h + 32 * (k & 1) + l]) >> (4 * (k >> 1))) & 15
+                        hi = (np.int32(w[o + 128 + 32 * h + l]) >> (2 * k)) & 3
+                        i1 += ((lo | (hi << 4)) - 32) * np.int32(xq[x0 + l])
+                    e = (128 * h + 32 * k) // 16
+                    s0 = np.int32(np.int8(w[o + 192 + e]))
+                    s1 = np.int32(np.int8(w[o + 192 + e + 1]))
+                    sacc += xd[8 * sb + 4 * h + k] * np.float32(s0 * i0 + s1 * i1)
+            acc += d * sacc
+    return acc
+
+
+@njit(cache=True, nogil=True, parallel=True, fastmath=_FM)
+def _mm_q8_generic(kind, raw, T, XQ, XD, XS, out):
+    rows = raw.shape[0]
+    for r in prange(rows):
+        w = raw[r]
+        for t in range(T):
+            out[t, r] = _dot_q8_generic(kind, w, XQ[t], XD[t], XS[t])
+
+
+# ----------------------------------------------------------------------------------------------------
+# Python-level API
+# ----------------------------------------------------------------------------------------------------
+
+_KIND_RAW = 0        # generic raw-bytes kernels
+
+
+class Weight:
+    """A 2-D GGUF weight prepared for matmul: ggml_type, rows, cols, nbytes (bytes matmul reads)."""
+
+    __slots__ = ("ggml_type", "rows", "cols", "nbytes", "raw", "kind", "fw")
+
+    def __repr__(self):
+        return (f"Weight({_GT(self.ggml_type).name}, rows={self.rows}, cols={self.cols}, "
+                f"nbytes={self.nbytes}, kind={self.kind})")
+
+
+def _as_bytes(data: np.ndarray, rows: int, row_bytes: int, name: str) -> np.ndarray:
+    if not isinstance(data, np.ndarray):
+        raise ValueError(f"{name}: weight data must be a numpy array, got {type(data).__name__}")
+    total = rows * row_bytes
+    if data.nbytes != total:
+        raise ValueError(f"{name}: expected {rows} rows x {row_bytes} bytes = {total} bytes for "
+                         f"shape (rows={rows}), got array {data.dtype}{tuple(data.shape)} = {data.nbytes} bytes")
+    if data.ndim >= 1 and data.shape[0] != rows and data.ndim == 2:
+        raise ValueError(f"{name}: expected {rows} rows, got array of shape {tuple(data.shape)}")
+    if not data.flags.c_contiguous:
+        data = np.ascontiguousarray(data)
+    return data.reshape(-1).view(np.uint8).reshape(rows, row_bytes)
+
+
+def prepare_weight(ggml_type: int, data: np.ndarray, rows: int, cols: int) -> Weight:
+    """Validate and wrap a GGUF 2-D weight (gguf shape [cols, rows]) for matmul/get_rows.
+
+    Raises ValueError on an unsupported type, a column count that is not a whole number of blocks,
+    or data whose size does not match (rows, cols)."""
+    try:
+        gt = int(ggml_type)
+    except (TypeError, ValueError):
+        raise ValueError(f"ggml_type must be an integer, got {ggml_type!r}") from None
+    if gt not in _BLOCK:
+        try:
+            nm = _GT(gt).name
+        except ValueError:
+            nm = str(gt)
+        raise ValueError(f"unsupported weight type {nm}; supported: "
+                         + ", ".join(_GT(t).name for t in SUPPORTED_TYPES))
+    name = _GT(gt).name
+    rows, cols = int(rows), int(cols)
+    if rows <= 0 or cols <= 0:
+        raise ValueError(f"{name}: rows and cols must be positive, got rows={rows}, cols={cols}")
+    be, bb = _BLOCK[gt]
+    if cols % be:
+        raise ValueError(f"{name}: cols={cols} is not a multiple of the block size {be}")
+    row_bytes = cols // be * bb
+    raw = _as_bytes(data, rows, row_bytes, name)
+
+    w = Weight()
+    w.ggml_type, w.rows, w.cols = gt, rows, cols
+    w.raw = raw
+    w.kind = _KIND_RAW
+    w.fw = None
+    if gt == F32:
+        w.fw = raw.view(np.float32)
+    elif gt in (F16, BF16):
+        w.fw = raw.view(np.uint16)
+    w.nbytes = int(raw.nbytes)
+    return w
+
+
+_N_CHUNKS = 64
+
+
+class Act:
+    """Preallocated activation buffer: float32 x (max_tokens, cols) and its q8 blocks."""
+
+    def __init__(self, cols: int, max_tokens: int):
+        cols, max_tokens = int(cols), int(max_tokens)
+        if cols <= 0 or max_tokens <= 0:
+            raise ValueError(f"Act: cols and max_tokens must be positive, got {cols}, {max_tokens}")
+        self.cols = cols
+        self.max_tokens = max_tokens
+        self.T = 0
+        nb = cols // 32 if cols % 32 == 0 else 0
+        self.x = np.zeros((max_tokens, cols), np.float32)
+        self.xq = np.zeros((max_tokens, nb * 32), np.int8)
+        self.xd = np.zeros((max_tokens, nb), np.float32)
+        self.xs = np.zeros((max_tokens, nb), np.int32)
+        self._scratch = np.zeros((_N_CHUNKS, cols), np.float32)   # exact mode row buffers
+
+    def set(self, x: np.ndarray) -> None:
+        if x.ndim == 1:
+            x = x.reshape(1, -1)
+        if x.ndim != 2 or x.shape[1] != self.cols:
+            raise ValueError(f"Act.set: expected x of shape (T, {self.cols}), got {tuple(x.shape)}")
+        T = x.shape[0]
+        if T < 1 or T > self.max_tokens:
+            raise ValueError(f"Act.set: T={T} outside 1..{self.max_tokens}")
+        if x.dtype != np.float32:
+            raise ValueError(f"Act.set: x must be float32, got {x.dtype}")
+        _act_set(x, T, self.x, self.xq, self.xd, self.xs)
+        self.T = T
+
+
+def _check_out(w: Weight, T: int, out: np.ndarray) -> None:
+    if (out.dtype != np.float32 or out.ndim != 2 or out.shape[1] != w.rows or out.shape[0] < T
+            or not out.flags.c_contiguous):
+        raise ValueError(f"matmul: out must be C-contiguous float32 (>={T}, {w.rows}), "
+                         f"got {out.dtype}{tuple(out.shape)}")
+
+
+def matmul(w: Weight, act: Act, out: np.ndarray) -> None:
+    """out[t, r] = dot(W[r, :], x[t, :]) for t < act.T."""
+    T = act.T
+    if act.cols != w.cols:
+        raise ValueError(f"matmul: weight has {w.cols} cols, activation has {act.cols}")
+    _check_out(w, T, out)
+    gt = w.ggml_type
+    if gt == F32:
+        _mm_f32(w.fw, T, act.x, out)
+    elif gt == F16:
+        _mm_f16(w.fw, T, act.x, out)
+    elif gt == BF16:
+        _mm_bf16(w.fw, T, act.x, out)
+    elif _EXACT:
+        _mm_exact(gt, w.raw, T, act.x, act._scratch, out)
+    else:
+        _mm_q8_generic(gt, w.raw, T, act.xq, act.xd, act.xs, out)
+
+
+def get_rows(w: Weight, ids: np.ndarray, out: np.ndarray) -> None:
+    """out[i, :] = dequantize(W[ids[i], :]) (bit-exact with gguf.quants.dequantize)."""
+    ids = np.asarray(ids)
+    if ids.ndim != 1 or ids.dtype.kind not in "iu":
+        raise ValueError(f"get_rows: ids must be a 1-D integer array, got {ids.dtype}{tuple(ids.shape)}")
+    n = ids.shape[0]
+    if out.dtype != np.float32 or out.ndim != 2 or out.shape[0] < n or out.shape[1] != w.cols \
+            or not out.flags.c_contiguous:
+        raise ValueError(f"get_rows: out must be C-contiguous float32 (>={n}, {w.cols}), "
+                         f"got {out.dtype}{tuple(out.shape)}")
+    if n and (ids.min() < 0 or ids.max() >= w.rows):
+        raise ValueError(f"get_rows: ids out of range [0, {w.rows})")
+    if ids.dtype != np.int64:
+        ids = ids.astype(np.int64)
+    _get_rows_kernel(w.ggml_type, w.raw, ids, out)

@@ -1,0 +1,91 @@
+"""Small elementwise / row kernels of the decoder (CPU). Shapes in comments: T tokens, D width."""
+import numpy as np
+from numba import njit, prange
+
+
+@njit(cache=True, nogil=True, fastmath=True)
+def rmsnorm(x, w, eps, out):
+    # x (T, D) f32, w (D,) f32 -> out (T, D)
+    T, D = x.shape
+    for t in range(T):
+        ss = 0.0
+        for i in range(D):
+            ss += x[t, i] * x[t, i]
+        r = 1.0 / np.sqrt(ss / D + eps)
+        for i in range(D):
+            out[t, i] = x[t, i] * r * w[i]
+
+
+@njit(cache=True, nogil=True, fastmath=True)
+def rope(x, pos0, cos, sin, n_rot):
+    # x (T, nh, HD) f32, rotated in place at positions pos0 + t; cos/sin (n_ctx, n_rot/2).
+    # llama.cpp rope mode 0 (LLAMA GGUFs): adjacent pairs (2i, 2i+1) rotate by pos * base^(-2i/n_rot).
+    T, nh, HD = x.shape
+    for t in range(T):
+        p = pos0 + t
+        for h in range(nh):
+            for i in range(n_rot // 2):
+                c = cos[p, i]
+                s = sin[p, i]
+                a = x[t, h, 2 * i]
+                b = x[t, h, 2 * i + 1]
+                x[t, h, 2 * i] = a * c - b * s
+                x[t, h, 2 * i + 1] = a * s + b * c
+
+
+@njit(cache=True, nogil=True, fastmath=True)
+def swiglu(g, u, out):
+    # g, u (T, FF) -> out = silu(g) * u
+    T, F = g.shape
+    for t in range(T):
+        for i in range(F):
+            a = g[t, i]
+            out[t, i] = a / (1.0 + np.exp(-a)) * u[t, i]
+
+
+@njit(cache=True, nogil=True, fastmath=True)
+def add_inplace(x, y):
+    # x (T, D) += y (T, D)
+    T, D = x.shape
+    for t in range(T):
+        for i in range(D):
+            x[t, i] += y[t, i]
+
+
+def rope_tables(n_ctx, n_rot, base):
+    """cos/sin (n_ctx, n_rot/2) float32, computed in float64."""
+    i = np.arange(n_rot // 2, dtype=np.float64)
+    theta = np.arange(n_ctx, dtype=np.float64)[:, None] * base ** (-2.0 * i / n_rot)[None, :]
+    return np.cos(theta).astype(np.float32), np.sin(theta).astype(np.float32)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _butterfly(v):
+    # unnormalised Walsh-Hadamard butterfly of a power-of-two length vector, in place
+    n = v.shape[0]
+    span = 1
+    while span < n:
+        for i0 in range(0, n, 2 * span):
+            for i in range(i0, i0 + span):
+                a = v[i]
+                b = v[i + span]
+                v[i] = a + b
+                v[i + span] = a - b
+        span *= 2
+
+
+@njit(cache=True, nogil=True)
+def fwht_heads(x, sign, inverse):
+    # x (T, nh, HD) f32, in place. Forward: v <- H·diag(sign)·v / sqrt(HD) (orthonormal, HD a power
+    # of two); inverse: v <- diag(sign)·H·v / sqrt(HD). The rotation that spreads KV outliers.
+    T, nh, HD = x.shape
+    norm = 1.0 / np.sqrt(HD)
+    for t in range(T):
+        for h in range(nh):
+            v = x[t, h]
+            if not inverse:
+                for i in range(HD):
+                    v[i] *= sign[i]
+            _butterfly(v)
+            for i in range(HD):
+                v[i] *= norm * sign[i] if inverse else norm

@@ -1,0 +1,209 @@
+"""The paged, block-quantized KV cache.
+
+Per layer, K and V each own a pool  uint8[n_pages, KVH, page_bytes]:
+    block formats (ggml, fp8, f16/f32, KIVI values): page_bytes = P * row_bytes, token-major, so token
+    slot s of a page is bytes [s*row_bytes, (s+1)*row_bytes) of each KV head: HD/QK blocks of one token;
+    KIVI keys: one page quantized per channel across its P tokens (formats.kivi_page_bytes).
+Every layer uses the same page ids, so a sequence has ONE page table  int32[max_pages]  and a token
+count. Each token's K/V row is quantized once, when appended; KIVI types keep the newest, not yet
+full page as f16 rows in a per-sequence residual buffer  uint8[KVH, P, 2*HD]  and quantize the page
+once when it fills. Attention (kernels.attention.attend) reads the pools in place.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+from numba import njit, prange
+
+from .config import Config, PykvError
+from .formats import KV_FORMATS, kivi_page_bytes, parse_kv_type, row_bytes
+from .kernels.kvquant import dequantize_row, kivi_quantize_kpage, quantize_row
+
+F16 = KV_FORMATS["f16"]
+
+
+def kivi_bits(fmt) -> int:
+    """Integer width of a KIVI format (int4 -> 4, int2 -> 2); 0 for every other kind."""
+    return int(fmt.name[3:]) if fmt.kind == "kivi" else 0
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def append_rows(x, pool, page_table, start, P, code):
+    # x (T, KVH, HD) f32 -> quantize token start+t, head g into its slot of pool (n_pages, KVH, P*rb)
+    T, KVH, HD = x.shape
+    rb = pool.shape[2] // P
+    for i in prange(T * KVH):
+        t = i // KVH
+        g = i % KVH
+        j = start + t
+        o = (j % P) * rb
+        quantize_row(code, x[t, g], pool[page_table[j // P], g, o:o + rb])
+
+
+@njit(cache=True, nogil=True)
+def write_residual(x, res, start, P, rcode):
+    # x (T, KVH, HD) f32, all in one page -> f16 rows res[g, (start + t) % P]
+    T, KVH, HD = x.shape
+    for t in range(T):
+        for g in range(KVH):
+            quantize_row(rcode, x[t, g], res[g, (start + t) % P])
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def flush_residual(res, pool, page, P, rcode, code, kbits, tmp):
+    # quantize a full residual page (KVH, P, 2*HD) into pool[page]; tmp (KVH, P, HD) f32 scratch.
+    KVH = res.shape[0]
+    for g in prange(KVH):
+        for s in range(P):
+            dequantize_row(rcode, res[g, s], tmp[g, s])
+        if kbits > 0:
+            kivi_quantize_kpage(kbits, tmp[g], pool[page, g])
+        else:
+            rb = pool.shape[2] // P
+            for s in range(P):
+                quantize_row(code, tmp[g, s], pool[page, g, s * rb:(s + 1) * rb])
+
+
+@dataclass
+class LayerKV:
+    k_fmt: object
+    v_fmt: object
+    k_pool: np.ndarray     # uint8 (n_pages, KVH, page_bytes_k)
+    v_pool: np.ndarray     # uint8 (n_pages, KVH, page_bytes_v)
+
+    @property
+    def k_bits(self) -> int:   # > 0: KIVI keys (per-channel pages)
+        return kivi_bits(self.k_fmt)
+
+
+@dataclass
+class Sequence:
+    page_table: np.ndarray             # int32 (max_pages,), -1 = unallocated
+    n_tokens: int = 0
+    residual: dict = field(default_factory=dict)   # (layer, "k"|"v") -> uint8 (KVH, P, 2*HD)
+
+
+def _fmt_list(types, n_layers, what):
+    if isinstance(types, str):
+        types = [types]
+    types = list(types)
+    if len(types) == 1:
+        types = types * n_layers
+    if len(types) != n_layers:
+        raise PykvError(f"{what}: got {len(types)} per-layer KV types for {n_layers} layers")
+    try:
+        return [parse_kv_type(t) for t in types]
+    except ValueError as e:
+        raise PykvError(str(e)) from None
+
+
+class KVCache:
+    F16_CODE = F16.code          # format of the residual rows
+    def __init__(self, cfg: Config, n_ctx: int, k_types="f16", v_types="f16", page_tokens: int = 32,
+                 max_seqs: int = 1, kv_budget: int | None = None):
+        self.cfg, self.n_ctx, self.P = cfg, int(n_ctx), int(page_tokens)
+        HD, KVH = cfg.head_dim, cfg.n_kv_heads
+        if self.P <= 0:
+            raise PykvError("page size must be positive")
+        k_fmts = _fmt_list(k_types, cfg.n_layers, "cache-type-k")
+        v_fmts = _fmt_list(v_types, cfg.n_layers, "cache-type-v")
+        for f in k_fmts + v_fmts:
+            if HD % f.block_size:
+                raise PykvError(f"KV type {f.name} needs head_dim divisible by {f.block_size} (head_dim {HD})")
+        self.max_pages_per_seq = math.ceil(self.n_ctx / self.P)
+        self.page_bytes = [(self._page_bytes(kf, True), self._page_bytes(vf, False))
+                           for kf, vf in zip(k_fmts, v_fmts)]
+        self.bytes_per_page = sum(KVH * (a + b) for a, b in self.page_bytes)   # all layers, K + V
+        if kv_budget is not None:
+            n_pages = int(kv_budget) // self.bytes_per_page
+            if n_pages < 1:
+                raise PykvError(f"KV budget {kv_budget} bytes cannot hold one page of {self.P} tokens "
+                                f"({self.bytes_per_page} bytes)")
+        else:
+            n_pages = max_seqs * self.max_pages_per_seq
+        self.n_pages = n_pages
+        self.layers = [LayerKV(kf, vf, np.zeros((n_pages, KVH, pk), np.uint8),
+                               np.zeros((n_pages, KVH, pv), np.uint8))
+                       for kf, vf, (pk, pv) in zip(k_fmts, v_fmts, self.page_bytes)]
+        self.free_pages = list(range(n_pages - 1, -1, -1))
+        self._dummy_res = np.zeros((KVH, self.P, 2 * HD), np.uint8)
+        self._tmp = np.zeros((KVH, self.P, HD), np.float32)
+
+    def _page_bytes(self, fmt, is_key: bool) -> int:
+        if fmt.kind == "kivi" and is_key:
+            return kivi_page_bytes(fmt, self.cfg.head_dim, self.P, True)
+        return self.P * row_bytes(fmt, self.cfg.head_dim)
+
+    def k_name(self) -> str:
+        return ",".join(dict.fromkeys(l.k_fmt.name for l in self.layers))
+
+    def v_name(self) -> str:
+        return ",".join(dict.fromkeys(l.v_fmt.name for l in self.layers))
+
+    # ---- byte accounting -------------------------------------------------------------
+    def bytes_per_token(self) -> float:
+        return self.bytes_per_page / self.P
+
+    def nbytes(self) -> int:
+        return sum(l.k_pool.nbytes + l.v_pool.nbytes for l in self.layers)
+
+    def capacity_tokens(self) -> int:
+        return self.n_pages * self.P
+
+    # ---- sequences ---------------------------------------------------------------------
+    def new_sequence(self) -> Sequence:
+        seq = Sequence(np.full(self.max_pages_per_seq, -1, np.int32))
+        for li, l in enumerate(self.layers):
+            for name, fmt in (("k", l.k_fmt), ("v", l.v_fmt)):
+                if fmt.kind == "kivi":
+                    seq.residual[(li, name)] = np.zeros_like(self._dummy_res)
+        return seq
+
+    def free_sequence(self, seq: Sequence) -> None:
+        for i, p in enumerate(seq.page_table):
+            if p >= 0:
+                self.free_pages.append(int(p))
+                seq.page_table[i] = -1
+        seq.n_tokens = 0
+
+    def reserve(self, seq: Sequence, n_new: int) -> None:
+        """Make room for n_new more tokens (all layers), or raise a clear error."""
+        total = seq.n_tokens + n_new
+        if total > self.n_ctx:
+            raise PykvError(f"context full: {total} tokens exceed the context size {self.n_ctx} (use -c)")
+        need = [i for i in range(math.ceil(total / self.P)) if seq.page_table[i] < 0]
+        if len(need) > len(self.free_pages):
+            raise PykvError(f"KV budget exhausted: {total} tokens need {len(need)} more pages of {self.P} "
+                            f"tokens, {len(self.free_pages)} free ({self.nbytes()} bytes in the pool)")
+        for i in need:
+            seq.page_table[i] = self.free_pages.pop()
+
+    # ---- append / read -----------------------------------------------------------------
+    def append(self, li: int, seq: Sequence, k: np.ndarray, v: np.ndarray) -> None:
+        """Quantize k, v (T, KVH, HD) f32 for positions seq.n_tokens .. + T into layer li.
+        The caller advances seq.n_tokens once all layers are appended."""
+        l = self.layers[li]
+        for x, fmt, pool, name in ((k, l.k_fmt, l.k_pool, "k"), (v, l.v_fmt, l.v_pool, "v")):
+            if fmt.kind != "kivi":
+                append_rows(x, pool, seq.page_table, seq.n_tokens, self.P, fmt.code)
+                continue
+            res = seq.residual[(li, name)]
+            bits = kivi_bits(fmt) if name == "k" else 0
+            j, end = seq.n_tokens, seq.n_tokens + x.shape[0]
+            while j < end:
+                page_end = (j // self.P + 1) * self.P
+                seg = min(page_end, end)
+                write_residual(x[j - seq.n_tokens:seg - seq.n_tokens], res, j, self.P, F16.code)
+                if seg == page_end:   # the page is full: quantize it once
+                    flush_residual(res, pool, seq.page_table[j // self.P], self.P, F16.code,
+                                   fmt.code, bits, self._tmp)
+                j = seg
+
+    def n_quantized(self, fmt, n_tokens: int) -> int:
+        """Tokens read from the pool (the rest come from the f16 residual)."""
+        return (n_tokens // self.P) * self.P if fmt.kind == "kivi" else n_tokens
+
+    def residual(self, seq: Sequence, li: int, name: str) -> np.ndarray:
+        return seq.residual.get((li, name), self._dummy_res)

