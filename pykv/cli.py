@@ -111,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("name", nargs="?", default=None)
     p.set_defaults(func=cmd_pull)
 
-    for mod in ("tools_cli", "convert"):
+    for mod in ("evaluate", "bench", "convert"):
         try:
             m = __import__(f"pykv.{mod}", fromlist=["register_cli"])
         except ImportError:

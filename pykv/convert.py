@@ -1028,7 +1028,7 @@ def info(path) -> str:
         else:
             s = repr(v)
         lines.append(f"  {k} = {s}")
-    lines += ["", "tensors:", f"  {'name':<28} {'type':<6} {'shape':<16} {'bytes':>12}"]
+    lines += ["", "tensors:", f"  {'name':<28} {'type':<6} {'shape (rows x cols)':<20} {'bytes':>12}"]
     total_b = total_p = 0
     by_type: dict[str, int] = {}
     for t in r.tensors:
@@ -1037,7 +1037,7 @@ def info(path) -> str:
         total_p += n
         total_b += int(t.n_bytes)
         by_type[t.tensor_type.name] = by_type.get(t.tensor_type.name, 0) + 1
-        lines.append(f"  {t.name:<28} {t.tensor_type.name:<6} {'x'.join(map(str, shape)):<16} {int(t.n_bytes):>12}")
+        lines.append(f"  {t.name:<28} {t.tensor_type.name:<6} {'x'.join(map(str, shape)):<20} {int(t.n_bytes):>12}")
     lines += ["", f"totals: {len(r.tensors)} tensors, {total_p:,} parameters, {total_b:,} bytes "
                   f"({_fmt_bytes(total_b)}), {8 * total_b / max(total_p, 1):.2f} bits/weight",
               "  tensor types: " + ", ".join(f"{k}={v}" for k, v in sorted(by_type.items()))]

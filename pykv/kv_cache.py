@@ -29,12 +29,13 @@ def kivi_bits(fmt) -> int:
     return int(fmt.name[3:]) if fmt.kind == "kivi" else 0
 
 
-@njit(cache=True, nogil=True, parallel=True)
+@njit(cache=True, nogil=True)
 def append_rows(x, pool, page_table, start, P, code):
-    # x (T, KVH, HD) f32 -> quantize token start+t, head g into its slot of pool (n_pages, KVH, P*rb)
+    # x (T, KVH, HD) f32 -> quantize token start+t, head g into its slot of pool (n_pages, KVH, P*rb).
+    # Serial: a decode step appends KVH rows, far too little work to wake threads for.
     T, KVH, HD = x.shape
     rb = pool.shape[2] // P
-    for i in prange(T * KVH):
+    for i in range(T * KVH):
         t = i // KVH
         g = i % KVH
         j = start + t
@@ -83,6 +84,7 @@ class Sequence:
     page_table: np.ndarray             # int32 (max_pages,), -1 = unallocated
     n_tokens: int = 0
     residual: dict = field(default_factory=dict)   # (layer, "k"|"v") -> uint8 (KVH, P, 2*HD)
+    k_shift: np.ndarray | None = None   # f32 (n_layers, KVH, HD): per-channel key mean removed before quantizing
 
 
 def _fmt_list(types, n_layers, what):
@@ -102,7 +104,7 @@ def _fmt_list(types, n_layers, what):
 class KVCache:
     F16_CODE = F16.code          # format of the residual rows
     def __init__(self, cfg: Config, n_ctx: int, k_types="f16", v_types="f16", page_tokens: int = 32,
-                 max_seqs: int = 1, kv_budget: int | None = None):
+                 max_seqs: int = 1, kv_budget: int | None = None, k_smooth: bool = True):
         self.cfg, self.n_ctx, self.P = cfg, int(n_ctx), int(page_tokens)
         HD, KVH = cfg.head_dim, cfg.n_kv_heads
         if self.P <= 0:
@@ -124,6 +126,10 @@ class KVCache:
         else:
             n_pages = max_seqs * self.max_pages_per_seq
         self.n_pages = n_pages
+        # Key smoothing: a query's scores all shift by the same q.mu when a fixed vector mu is removed
+        # from every key, so softmax (and attention) is unchanged in exact arithmetic, while the block
+        # quantizer no longer spends its range on the large per-channel bias LLaMA keys carry.
+        self.k_smooth = [bool(k_smooth) and f.kind in ("ggml", "fp8") for f in k_fmts]
         self.layers = [LayerKV(kf, vf, np.zeros((n_pages, KVH, pk), np.uint8),
                                np.zeros((n_pages, KVH, pv), np.uint8))
                        for kf, vf, (pk, pv) in zip(k_fmts, v_fmts, self.page_bytes)]
@@ -154,7 +160,10 @@ class KVCache:
 
     # ---- sequences ---------------------------------------------------------------------
     def new_sequence(self) -> Sequence:
+        cfg = self.cfg
         seq = Sequence(np.full(self.max_pages_per_seq, -1, np.int32))
+        if any(self.k_smooth):
+            seq.k_shift = np.zeros((cfg.n_layers, cfg.n_kv_heads, cfg.head_dim), np.float32)
         for li, l in enumerate(self.layers):
             for name, fmt in (("k", l.k_fmt), ("v", l.v_fmt)):
                 if fmt.kind == "kivi":
@@ -185,6 +194,10 @@ class KVCache:
         """Quantize k, v (T, KVH, HD) f32 for positions seq.n_tokens .. + T into layer li.
         The caller advances seq.n_tokens once all layers are appended."""
         l = self.layers[li]
+        if self.k_smooth[li]:
+            if seq.n_tokens == 0:   # the sequence's first keys fix its shift (the sink token 0 left out)
+                seq.k_shift[li] = k[1:].mean(axis=0) if k.shape[0] > 1 else k[0]
+            k -= seq.k_shift[li]
         for x, fmt, pool, name in ((k, l.k_fmt, l.k_pool, "k"), (v, l.v_fmt, l.v_pool, "v")):
             if fmt.kind != "kivi":
                 append_rows(x, pool, seq.page_table, seq.n_tokens, self.P, fmt.code)

@@ -106,7 +106,7 @@ class RunState:
 
 class Model:
     def __init__(self, path=None, *, n_ctx: int = 2048, kv_type_k="f16", kv_type_v="f16", threads=None,
-                 kv_rotate=None, page_tokens: int = 32, n_batch: int = 256, kv_budget=None):
+                 kv_rotate=None, page_tokens: int = 32, n_batch: int = 256, kv_budget=None, kv_smooth=True):
         if path is None or not os.path.exists(path):   # the default model or a registry name
             from .models import ModelFetchError, resolve_model
             try:
@@ -125,7 +125,8 @@ class Model:
         self.n_ctx = int(n_ctx)
         self.weights = Weights.load(self.gguf, cfg)
         self.tokenizer = Tokenizer.from_metadata(self.gguf.metadata)
-        self.cache = KVCache(cfg, self.n_ctx, kv_type_k, kv_type_v, page_tokens=page_tokens, kv_budget=kv_budget)
+        self.cache = KVCache(cfg, self.n_ctx, kv_type_k, kv_type_v, page_tokens=page_tokens, kv_budget=kv_budget,
+                             k_smooth=kv_smooth)
         self.n_batch = int(n_batch)
         self.max_chunks = 8 * numba.config.NUMBA_NUM_THREADS + 2
         self.state = RunState(cfg, self.n_batch, self.max_chunks)

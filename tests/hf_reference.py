@@ -291,7 +291,7 @@ def write_bpe_tokenizer(out: Path, text: str, n_merges: int = 40, pre: str = "sm
     return vocab, merges
 
 
-def write_spm_tokenizer(out: Path, text: str, vocab_size: int = 300):
+def write_spm_tokenizer(out: Path, text: str, vocab_size: int = 400):
     import sentencepiece as spm
 
     corpus = out / "_corpus.txt"
@@ -300,7 +300,7 @@ def write_spm_tokenizer(out: Path, text: str, vocab_size: int = 300):
         input=str(corpus), model_prefix=str(out / "tokenizer"), vocab_size=vocab_size, model_type="bpe",
         character_coverage=1.0, normalization_rule_name="identity", add_dummy_prefix=True,
         remove_extra_whitespaces=False, bos_id=1, eos_id=2, unk_id=0, pad_id=-1,
-        minloglevel=2, num_threads=1, seed_sentencepiece_size=10000)
+        byte_fallback=True, minloglevel=2, num_threads=1, seed_sentencepiece_size=10000)
     corpus.unlink()
     (out / "tokenizer.vocab").unlink()
     tc = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "add_bos_token": True,

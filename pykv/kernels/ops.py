@@ -3,7 +3,7 @@ import numpy as np
 from numba import njit, prange
 
 
-@njit(cache=True, nogil=True, fastmath=True)
+@njit(cache=True, nogil=True, fastmath=True, error_model="numpy")
 def rmsnorm(x, w, eps, out):
     # x (T, D) f32, w (D,) f32 -> out (T, D)
     T, D = x.shape

@@ -1,0 +1,503 @@
+"""`pykv bench`: prompt-processing and generation speed per KV cache type and depth, like llama-bench.
+
+    pykv bench [MODEL] -p 512 -n 128 -d 0,1024,4096 -ctk f16,q8_0,q4_0 -t 2 -r 3 [--json] [--compare-llamacpp]
+
+One *cell* is (ctk, ctv, threads, n_prompt, n_gen, depth). For each cell:
+  pp: the cache already holds `depth` tokens (an untimed prefill); time a prefill of `n_prompt` tokens;
+  tg: the cache already holds `depth` tokens; time `n_gen` single-token decodes.
+Each figure is the median tokens/s of `-r` repetitions (the spread is the sample standard deviation).
+The depth prefill is done once per depth and shared by the repetitions and by pp and tg: after each
+timed run the sequence is rewound to `depth` tokens (later tokens are simply overwritten), exactly
+what llama-bench's per-repetition refill produces, without paying for the fill again. Depths are filled
+incrementally in ascending order, so the whole sweep pays for one prefill of the largest depth.
+Tokens are random ids (seeded), as in llama-bench.
+
+`--compare-llamacpp` runs the same cells through llama-cpp-python (optional extra `pykv[compare]`) with
+the same threads and KV types and prints pykv / llama.cpp per cell. llama.cpp needs flash attention for
+a quantized V cache; with `-fa auto` (default) quantized-V cells use fa on and float-V cells run both
+fa on and off and report the better figure of each test. `-fa` only affects llama.cpp.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from .config import PykvError
+
+FLOAT_V = ("f32", "f16", "bf16")   # llama.cpp V-cache types that work without flash attention
+
+
+# ---- argument parsing --------------------------------------------------------------------------------
+def _int_list(s, what: str, minimum: int = 0) -> list[int]:
+    items = [s] if isinstance(s, int) else (str(s).split(",") if isinstance(s, str) else list(s))
+    out = []
+    for part in items:
+        part = str(part).strip()
+        if not part:
+            continue
+        try:
+            v = int(part)
+        except (TypeError, ValueError):
+            raise PykvError(f"{what}: expected a comma list of integers, got {s!r}") from None
+        if v < minimum:
+            raise PykvError(f"{what}: values must be >= {minimum}, got {v}")
+        out.append(v)
+    if not out:
+        raise PykvError(f"{what}: empty list")
+    return list(dict.fromkeys(out))
+
+
+def _kv_list(s, what: str) -> list[str]:
+    from .formats import parse_kv_type
+    items = s.split(",") if isinstance(s, str) else list(s)
+    out = []
+    for part in items:
+        part = str(part).strip()
+        if not part:
+            continue
+        try:
+            out.append(parse_kv_type(part).name)
+        except ValueError as e:
+            raise PykvError(f"{what}: {e}") from None
+    if not out:
+        raise PykvError(f"{what}: empty list")
+    return list(dict.fromkeys(out))
+
+
+def _rotate_flag(v):
+    if v is None or isinstance(v, bool):
+        return v
+    try:
+        return {"on": True, "off": False, "auto": None}[str(v).lower()]
+    except KeyError:
+        raise PykvError(f"--kv-rotate: expected on, off or auto, got {v!r}") from None
+
+
+def _stats(samples: list[float]):
+    if not samples:
+        return None, None
+    sd = statistics.stdev(samples) if len(samples) > 1 else 0.0
+    return statistics.median(samples), sd
+
+
+def _tty() -> bool:
+    try:
+        return sys.stderr.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
+@dataclass
+class _Plan:
+    pairs: list            # [(ctk, ctv)]
+    threads: list          # [int]
+    prompts: list          # [int]
+    gens: list             # [int]
+    depths: list           # ascending [int]
+    reps: int
+
+    @property
+    def n_warmup(self) -> int:
+        return max(2, min(max(self.prompts), 32))
+
+    @property
+    def n_ctx(self) -> int:
+        return max(max(self.depths) + max(self.prompts) + max(self.gens), self.n_warmup + 1)
+
+
+def _plan(n_prompt, n_gen, depth, ctk, ctv, threads, reps) -> _Plan:
+    prompts = _int_list(n_prompt, "-p/--n-prompt")
+    gens = _int_list(n_gen, "-n/--n-gen")
+    depths = sorted(_int_list(depth, "-d/--n-depth"))
+    if max(prompts) == 0 and max(gens) == 0:
+        raise PykvError("nothing to measure: -p and -n are both 0")
+    ks = _kv_list(ctk, "-ctk/--cache-type-k")
+    if ctv is None:   # paired: each K type with the same V type
+        pairs = [(k, k) for k in ks]
+    else:
+        vs = _kv_list(ctv, "-ctv/--cache-type-v")
+        pairs = [(k, v) for k in ks for v in vs]
+    if threads is None or threads == "" or threads == []:
+        ts = [os.cpu_count() or 1]
+    else:
+        ts = _int_list(threads, "-t/--threads", minimum=1)
+    try:
+        reps = int(reps)
+    except (TypeError, ValueError):
+        raise PykvError(f"-r/--repetitions: expected an integer, got {reps!r}") from None
+    if reps < 1:
+        raise PykvError("-r/--repetitions must be >= 1")
+    return _Plan(pairs, ts, prompts, gens, depths, reps)
+
+
+# ---- the two engines -----------------------------------------------------------------------------------
+class _PykvEngine:
+    name = "pykv"
+
+    def __init__(self, path, n_ctx, ctk, ctv, threads, kv_rotate):
+        from .model import load
+        self.m = load(path, n_ctx=n_ctx, kv_type_k=ctk, kv_type_v=ctv, threads=threads, kv_rotate=kv_rotate)
+        self.path = self.m.path
+        self.n_vocab = self.m.n_vocab
+        self.seq = self.m.new_sequence()
+
+    @property
+    def n_tokens(self) -> int:
+        return self.seq.n_tokens
+
+    def rewind(self, n: int) -> None:
+        # Positions >= n are overwritten by the next eval; KIVI residual rows below n are untouched.
+        assert n <= self.seq.n_tokens
+        self.seq.n_tokens = n
+
+    def eval(self, ids) -> None:
+        self.m.eval(self.seq, ids)
+
+    def info(self) -> dict:
+        import numba
+        return {"kv_rotate": bool(self.m.rotate), "kv_bytes_per_token": float(self.m.kv_bytes_per_token()),
+                "threads_used": int(numba.get_num_threads())}
+
+    def close(self) -> None:
+        self.m.new_sequence()
+        self.m = None
+
+
+LLAMA_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "iq4_nl": 20,
+               "bf16": 30}
+
+
+class _LlamaEngine:
+    name = "llama.cpp"
+
+    def __init__(self, path, n_ctx, ctk, ctv, threads, flash_attn: bool):
+        import llama_cpp
+        for t in (ctk, ctv):
+            if t not in LLAMA_TYPES:
+                raise PykvError(f"llama.cpp has no {t} KV cache type")
+        if not flash_attn and ctv not in FLOAT_V:
+            raise PykvError(f"llama.cpp needs flash attention for a {ctv} V cache")
+        tk = getattr(llama_cpp, f"GGML_TYPE_{ctk.upper()}", LLAMA_TYPES[ctk])
+        tv = getattr(llama_cpp, f"GGML_TYPE_{ctv.upper()}", LLAMA_TYPES[ctv])
+        try:
+            self.llm = llama_cpp.Llama(model_path=str(path), n_ctx=int(n_ctx), n_threads=int(threads),
+                                       n_threads_batch=int(threads), n_batch=512, n_ubatch=512,
+                                       flash_attn=bool(flash_attn), type_k=tk, type_v=tv,
+                                       logits_all=False, verbose=False)
+        except Exception as e:   # llama-cpp-python raises ValueError on a failed context
+            raise PykvError(f"llama.cpp could not load the model with K {ctk}, V {ctv}, "
+                            f"fa {'on' if flash_attn else 'off'}: {e}") from None
+        self.n_vocab = int(self.llm.n_vocab())
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.llm.n_tokens)
+
+    def rewind(self, n: int) -> None:
+        # Llama.eval removes cache positions >= n_tokens before decoding (kv_cache_seq_rm).
+        assert n <= self.llm.n_tokens
+        self.llm.n_tokens = n
+
+    def eval(self, ids) -> None:
+        self.llm.eval([int(i) for i in ids])
+
+    def info(self) -> dict:
+        return {}
+
+    def close(self) -> None:
+        try:
+            self.llm.close()
+        except Exception:
+            pass
+        self.llm = None
+
+
+def _measure(eng, plan: _Plan, rng, log, label: str) -> dict:
+    """{(p, n, depth): (pp_samples, tg_samples)} for one loaded engine."""
+    out = {}
+    V = eng.n_vocab
+    # warmup (JIT compile, thread pools, caches): a short prefill and one decode, then clear
+    eng.eval(rng.integers(0, V, plan.n_warmup))
+    eng.eval(rng.integers(0, V, 1))
+    eng.rewind(0)
+    for d in plan.depths:
+        if d > eng.n_tokens:
+            log(f"{label}: filling the cache to depth {d} ...")
+            eng.eval(rng.integers(0, V, d - eng.n_tokens))
+        for p in plan.prompts:
+            for n in plan.gens:
+                pp, tg = [], []
+                for _ in range(plan.reps if p else 0):
+                    eng.rewind(d)
+                    ids = rng.integers(0, V, p)
+                    t0 = time.perf_counter()
+                    eng.eval(ids)
+                    pp.append(p / max(time.perf_counter() - t0, 1e-9))
+                for _ in range(plan.reps if n else 0):
+                    eng.rewind(d)
+                    ids = rng.integers(0, V, n)
+                    t0 = time.perf_counter()
+                    for i in range(n):
+                        eng.eval(ids[i:i + 1])
+                    tg.append(n / max(time.perf_counter() - t0, 1e-9))
+                eng.rewind(d)
+                out[(p, n, d)] = (pp, tg)
+                msg = [f"{label} d{d}:"]
+                if p:
+                    msg.append(f"pp{p} {_stats(pp)[0]:.2f} t/s")
+                if n:
+                    msg.append(f"tg{n} {_stats(tg)[0]:.2f} t/s")
+                log(" ".join(msg))
+    return out
+
+
+def _llama_cells(path, plan, ctk, ctv, t, fa_mode, rng, log) -> tuple[dict, str | None]:
+    """{(p, n, d): {pp_tps, tg_tps, pp_fa, tg_fa, ...}} for llama.cpp, best of the fa settings tried."""
+    if fa_mode == "on":
+        fas = [True]
+    elif fa_mode == "off":
+        fas = [False]
+    else:
+        fas = [True, False] if ctv in FLOAT_V else [True]
+    best: dict = {}
+    errors = []
+    for fa in fas:
+        fa_s = "on" if fa else "off"
+        try:
+            eng = _LlamaEngine(path, plan.n_ctx, ctk, ctv, t, fa)
+        except PykvError as e:
+            errors.append(str(e))
+            continue
+        try:
+            res = _measure(eng, plan, rng, log, f"llama.cpp {ctk}/{ctv} t{t} fa {fa_s}")
+        finally:
+            eng.close()
+        for key, (pp, tg) in res.items():
+            cell = best.setdefault(key, {"pp_tps": None, "tg_tps": None, "pp_fa": None, "tg_fa": None})
+            for name, samples in (("pp", pp), ("tg", tg)):
+                med, sd = _stats(samples)
+                if med is not None and (cell[f"{name}_tps"] is None or med > cell[f"{name}_tps"]):
+                    cell.update({f"{name}_tps": med, f"{name}_tps_sd": sd, f"{name}_samples": samples,
+                                 f"{name}_fa": fa_s})
+    return best, ("; ".join(errors) if errors and not best else None)
+
+
+# ---- the benchmark ---------------------------------------------------------------------------------------
+def run_bench(model=None, *, n_prompt="512", n_gen="128", depth="0", ctk="f16", ctv=None, threads=None,
+              reps: int = 3, kv_rotate=None, compare_llamacpp: bool = False, flash_attn: str = "auto",
+              progress=None, seed: int = 1234) -> list[dict]:
+    """Run the benchmark; returns one dict per cell (see the module docstring).
+
+    List arguments take a comma string or a list. progress: None = print to stderr when it is a TTY.
+    """
+    plan = _plan(n_prompt, n_gen, depth, ctk, ctv, threads, reps)
+    rot = _rotate_flag(kv_rotate)
+    if flash_attn not in ("on", "off", "auto"):
+        raise PykvError(f"-fa: expected on, off or auto, got {flash_attn!r}")
+    if compare_llamacpp:
+        try:
+            import llama_cpp  # noqa: F401
+        except ImportError:
+            raise PykvError("--compare-llamacpp needs llama-cpp-python: pip install 'pykv[compare]'") from None
+    if progress is None:
+        progress = _tty()
+
+    def log(msg: str) -> None:
+        if progress:
+            print(f"bench: {msg}", file=sys.stderr, flush=True)
+
+    rows = []
+    path = model
+    for ctk_, ctv_ in plan.pairs:
+        for t in plan.threads:
+            rng = np.random.default_rng(seed)
+            eng = _PykvEngine(path, plan.n_ctx, ctk_, ctv_, t, rot)
+            path = eng.path            # resolved once (registry name -> file)
+            info = eng.info()
+            try:
+                res = _measure(eng, plan, rng, log, f"pykv {ctk_}/{ctv_} t{t}")
+            finally:
+                eng.close()
+                del eng
+            llama, llama_err = {}, None
+            if compare_llamacpp:
+                llama, llama_err = _llama_cells(path, plan, ctk_, ctv_, t, flash_attn,
+                                                np.random.default_rng(seed), log)
+                if llama_err:
+                    log(f"llama.cpp {ctk_}/{ctv_}: {llama_err}")
+            for p in plan.prompts:
+                for n in plan.gens:
+                    for d in plan.depths:
+                        pp, tg = res[(p, n, d)]
+                        pp_m, pp_sd = _stats(pp)
+                        tg_m, tg_sd = _stats(tg)
+                        row = {"model": os.path.basename(str(path)), "model_path": str(path),
+                               "depth": d, "n_prompt": p, "n_gen": n, "ctk": ctk_, "ctv": ctv_, "threads": t,
+                               "reps": plan.reps, **info,
+                               "pp_tps": pp_m, "pp_tps_sd": pp_sd, "pp_samples": pp,
+                               "tg_tps": tg_m, "tg_tps_sd": tg_sd, "tg_samples": tg}
+                        if compare_llamacpp:
+                            lc = llama.get((p, n, d))
+                            if lc is None:
+                                lc = {"pp_tps": None, "tg_tps": None, "error": llama_err or "not run"}
+                            row["llamacpp"] = lc
+                            for name in ("pp", "tg"):
+                                a, b = row[f"{name}_tps"], lc.get(f"{name}_tps")
+                                row[f"{name}_ratio"] = (a / b) if a and b else None
+                        rows.append(row)
+    return rows
+
+
+# ---- output -------------------------------------------------------------------------------------------------
+def _fmt_tps(med, sd) -> str:
+    if med is None:
+        return "-"
+    if sd:
+        return f"{med:.2f} ± {sd:.2f}"
+    return f"{med:.2f}"
+
+
+def _fmt_ratio(r) -> str:
+    return "-" if r is None else f"{r:.2f}"
+
+
+def format_markdown(rows: list[dict]) -> str:
+    if not rows:
+        return ""
+    ps = sorted({r["n_prompt"] for r in rows})
+    ns = sorted({r["n_gen"] for r in rows})
+    one_p, one_n = len(ps) == 1, len(ns) == 1
+    compare = any("llamacpp" in r for r in rows)
+    show_pp = any(r["n_prompt"] for r in rows)
+    show_tg = any(r["n_gen"] for r in rows)
+    pp_h = f"pp{ps[0]}" if one_p else "pp"
+    tg_h = f"tg{ns[0]}" if one_n else "tg"
+    head = ["model", "threads", "ctk", "ctv", "rot", "depth"]
+    if not one_p:
+        head.append("n_prompt")
+    if not one_n:
+        head.append("n_gen")
+    metrics = [m for m, show in (("pp", show_pp), ("tg", show_tg)) if show]
+    hname = {"pp": pp_h, "tg": tg_h}
+    for m in metrics:
+        head.append(f"{hname[m]} t/s" if not compare else f"pykv {hname[m]} t/s")
+    if compare:
+        for m in metrics:
+            head.append(f"llama.cpp {hname[m]} t/s")
+        for m in metrics:
+            head.append(f"{hname[m]} pykv ÷ llama.cpp")
+    align = ["---"] * 5 + ["---:"] * (len(head) - 5)
+    lines = ["| " + " | ".join(head) + " |", "| " + " | ".join(align) + " |"]
+    for r in rows:
+        cells = [r["model"], str(r["threads"]), r["ctk"], r["ctv"], "on" if r.get("kv_rotate") else "off",
+                 str(r["depth"])]
+        if not one_p:
+            cells.append(str(r["n_prompt"]))
+        if not one_n:
+            cells.append(str(r["n_gen"]))
+        for m in metrics:
+            cells.append(_fmt_tps(r[f"{m}_tps"], r[f"{m}_tps_sd"]))
+        if compare:
+            lc = r["llamacpp"]
+            for m in metrics:
+                s = _fmt_tps(lc.get(f"{m}_tps"), lc.get(f"{m}_tps_sd"))
+                if lc.get(f"{m}_fa") and lc.get(f"{m}_tps") is not None:
+                    s += f" (fa {lc[f'{m}_fa']})"
+                cells.append(s)
+            for m in metrics:
+                cells.append(_fmt_ratio(r.get(f"{m}_ratio")))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def format_notes(rows: list[dict]) -> str:
+    errs = dict.fromkeys(f"llama.cpp {r['ctk']}/{r['ctv']}: {r['llamacpp']['error']}"
+                         for r in rows if "llamacpp" in r and r["llamacpp"].get("error"))
+    return "\n".join(errs)
+
+
+# ---- CLI ------------------------------------------------------------------------------------------------------
+def cmd_bench(args) -> int:
+    rows = run_bench(args.model, n_prompt=args.n_prompt, n_gen=args.n_gen, depth=args.n_depth,
+                     ctk=args.cache_type_k, ctv=args.cache_type_v, threads=args.threads,
+                     reps=args.repetitions, kv_rotate=args.kv_rotate, compare_llamacpp=args.compare_llamacpp,
+                     flash_attn=args.flash_attn)
+    if args.json:
+        print(json.dumps(rows, indent=2, default=_json_default))
+    else:
+        print(format_markdown(rows))
+        notes = format_notes(rows)
+        if notes:
+            print()
+            print(notes)
+    sys.stdout.flush()
+    return 0
+
+
+def _json_default(o):
+    if isinstance(o, (np.integer,)):
+        return int(o)
+    if isinstance(o, (np.floating,)):
+        return float(o)
+    raise TypeError(type(o).__name__)
+
+
+def register_cli(subparsers) -> None:
+    p = subparsers.add_parser(
+        "bench", help="prompt / generation tokens/s per KV type and depth (like llama-bench)",
+        description="Prompt processing (pp) and generation (tg) speed per KV cache type and depth: median "
+                    "tokens/s of -r repetitions. List options take comma lists; every combination is one "
+                    "row. Depth d: the cache holds d tokens (untimed prefill) before pp (a prefill of -p "
+                    "tokens) and before tg (-n single-token decodes).")
+    p.add_argument("model", nargs="?", default=None,
+                   help="GGUF path or registry name (default: the default model)")
+    p.add_argument("-p", "--n-prompt", default="512", help="prompt tokens, comma list (default 512; 0 = skip pp)")
+    p.add_argument("-n", "--n-gen", default="128", help="generated tokens, comma list (default 128; 0 = skip tg)")
+    p.add_argument("-d", "--n-depth", default="0", help="tokens already in the cache, comma list (default 0)")
+    p.add_argument("-ctk", "--cache-type-k", default="f16",
+                   help="K cache types, comma list (default f16): f32 f16 bf16 q8_0 q4_0 q4_1 q5_0 q5_1 "
+                        "iq4_nl fp8_e4m3 fp8_e5m2 int4 int2")
+    p.add_argument("-ctv", "--cache-type-v", default=None,
+                   help="V cache types, comma list (default: paired with -ctk, i.e. the same type as K; "
+                        "given: every K x V combination)")
+    p.add_argument("-t", "--threads", default=None, help="threads, comma list (default: all cores)")
+    p.add_argument("-r", "--repetitions", type=int, default=3, help="repetitions per test (default 3; median)")
+    p.add_argument("--kv-rotate", choices=["on", "off", "auto"], default="auto",
+                   help="pykv Hadamard rotation of K/V (auto: on for 4-bit and lower types)")
+    p.add_argument("-fa", "--flash-attn", choices=["on", "off", "auto"], default="auto",
+                   help="llama.cpp side only: flash attention (auto: on for a quantized V cache, best of on/off "
+                        "for f16/bf16/f32 V)")
+    p.add_argument("--compare-llamacpp", action="store_true",
+                   help="also run the cells through llama-cpp-python and print pykv ÷ llama.cpp")
+    p.add_argument("--json", action="store_true", help="print a JSON list of cells instead of a markdown table")
+    p.set_defaults(func=cmd_bench)
+
+
+def main(argv=None) -> int:
+    """`python -m pykv.bench ...` / tests: the bench subcommand alone, with the CLI's error handling."""
+    import argparse
+    ap = argparse.ArgumentParser(prog="pykv")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    register_cli(sub)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] != "bench":
+        argv = ["bench", *argv]
+    args = ap.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except PykvError as e:
+        print(f"pykv: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("pykv: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,203 @@
+"""Fused attention over the paged, quantized KV cache against a float64 reference.
+
+The reference is tests/reference.py `attention()` over the K/V rows the cache actually stores,
+dequantized row by row with kvquant (KIVI keys: kivi_dequant_k on full pages, the f16 residual rows
+for the newest partial page).  So the only allowed difference is float32 arithmetic in the kernel:
+1e-4 relative per (query token, head) output vector.
+
+Caches are built through KVCache (two sequences appended interleaved, free list shuffled, so page
+tables are neither contiguous nor increasing; pools pre-filled with 0x7F bytes = NaN / huge values,
+so reading any slot that was never written fails the comparison).
+"""
+from __future__ import annotations
+
+import math
+
+import numba
+import numpy as np
+import pytest
+
+from pykv.config import Config
+from pykv.formats import KV_FORMATS, bytes_per_token
+from pykv.kernels.attention import attend
+from pykv.kernels.kvquant import dequantize_row, kivi_dequant_k
+from pykv.kv_cache import KVCache
+
+from .reference import attention as ref_attention
+
+FORMATS = list(KV_FORMATS)
+THREADS = sorted({1, min(2, numba.config.NUMBA_NUM_THREADS), numba.config.NUMBA_NUM_THREADS})
+RTOL = 1e-4
+
+
+def make_cfg(n_heads, n_kv_heads, head_dim=64, n_layers=1):
+    return Config(arch="llama", n_layers=n_layers, dim=n_heads * head_dim, ff_dim=4 * head_dim,
+                  n_heads=n_heads, n_kv_heads=n_kv_heads, rope_base=10000.0, rope_dims=head_dim,
+                  norm_eps=1e-5, n_ctx_train=4096, n_vocab=32)
+
+
+def new_cache(cfg, kt, vt, n_ctx, P, rng, max_seqs=2):
+    cache = KVCache(cfg, n_ctx, kt, vt, page_tokens=P, max_seqs=max_seqs)
+    for l in cache.layers:          # unwritten slots decode to NaN / huge: reading one fails
+        l.k_pool.fill(0x7F)
+        l.v_pool.fill(0x7F)
+    rng.shuffle(cache.free_pages)
+    return cache
+
+
+def kv_rows(cfg, n, rng):
+    """Random K or V rows (n, KVH, HD) with uneven per-channel scales and a few outliers."""
+    KVH, HD = cfg.n_kv_heads, cfg.head_dim
+    x = rng.standard_normal((n, KVH, HD)) * rng.uniform(0.3, 2.0, (1, KVH, HD))
+    x[rng.random(x.shape) < 0.01] *= 6.0
+    return x.astype(np.float32)
+
+
+def push(cache, seq, n, rng):
+    cache.reserve(seq, n)
+    cache.append(0, seq, kv_rows(cache.cfg, n, rng), kv_rows(cache.cfg, n, rng))
+    seq.n_tokens += n
+
+
+def dequant_cache(cache, seq, li=0):
+    """(n, KVH, HD) float64 K and V exactly as stored."""
+    l, P, HD, KVH = cache.layers[li], cache.P, cache.cfg.head_dim, cache.cfg.n_kv_heads
+    n = seq.n_tokens
+    out = []
+    for name, fmt, pool in (("k", l.k_fmt, l.k_pool), ("v", l.v_fmt, l.v_pool)):
+        nq = cache.n_quantized(fmt, n)
+        res = cache.residual(seq, li, name)
+        x = np.zeros((n, KVH, HD), np.float32)
+        rb = pool.shape[2] // P
+        for j in range(n):
+            page = seq.page_table[j // P]
+            for g in range(KVH):
+                if j >= nq:
+                    dequantize_row(cache.F16_CODE, res[g, j % P], x[j, g])
+                elif name == "k" and l.k_bits:
+                    kivi_dequant_k(l.k_bits, pool[page, g], j % P, P, x[j, g])
+                else:
+                    o = (j % P) * rb
+                    dequantize_row(fmt.code, pool[page, g, o:o + rb], x[j, g])
+        assert np.isfinite(x).all()
+        out.append(x.astype(np.float64))
+    return out
+
+
+def run_attend(cache, seq, q, chunk, li=0):
+    """attend() exactly as model.py calls it, for the last T = len(q) tokens of seq."""
+    T, H, HD = q.shape
+    KVH, P = cache.cfg.n_kv_heads, cache.P
+    l = cache.layers[li]
+    n_tot = seq.n_tokens
+    n_past = n_tot - T
+    C = -(-n_tot // chunk)
+    part = np.full((T, KVH, C, H // KVH, HD + 2), np.nan, np.float32)
+    out = np.full((T, H, HD), np.nan, np.float32)
+    attend(q, l.k_pool, l.v_pool, cache.residual(seq, li, "k"), cache.residual(seq, li, "v"),
+           seq.page_table, n_past, cache.n_quantized(l.k_fmt, n_tot), cache.n_quantized(l.v_fmt, n_tot),
+           P, l.k_fmt.code, l.k_bits, l.v_fmt.code, cache.F16_CODE, chunk, part, out)
+    return out
+
+
+def check(cache, seq, T, chunks, rng, what=""):
+    H, HD = cache.cfg.n_heads, cache.cfg.head_dim
+    k, v = dequant_cache(cache, seq)
+    q = (rng.standard_normal((T, H, HD)) * 2.0 / math.sqrt(HD)).astype(np.float32)  # pre-scaled
+    ref = ref_attention(q.astype(np.float64) * math.sqrt(HD), k, v, n_past=seq.n_tokens - T)
+    scale = np.abs(ref).max(axis=2, keepdims=True)
+    for chunk in chunks:
+        for th in THREADS:
+            numba.set_num_threads(th)
+            try:
+                out = run_attend(cache, seq, q, chunk)
+            finally:
+                numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
+            err = (np.abs(out - ref) / scale).max()
+            assert err <= RTOL, (f"{what} n={seq.n_tokens} T={T} chunk={chunk} threads={th}: "
+                                 f"relative error {err:.3g}")
+
+
+@pytest.mark.parametrize("G", [1, 3, 8])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_attention_matches_reference(fmt, G):
+    rng = np.random.default_rng(1000 + 13 * FORMATS.index(fmt) + G)
+    KVH, P = 2, 16
+    cfg = make_cfg(KVH * G, KVH)
+    cache = new_cache(cfg, fmt, fmt, 256, P, rng)
+    a, b = cache.new_sequence(), cache.new_sequence()
+    what = f"{fmt} G={G}"
+    # prefill from 0 (odd length, leaves a partial page), interleaved with another sequence
+    push(cache, a, 37, rng)
+    check(cache, a, 37, [1024, 16], rng, what)
+    push(cache, b, 20, rng)
+    # prefill with n_past > 0, crossing a page boundary; chunks not multiples of P as well
+    push(cache, a, 7, rng)
+    check(cache, a, 7, [16, 7, 1024], rng, what)
+    push(cache, b, 13, rng)
+    # decode at depths below, at and past a page boundary, and over many chunks
+    while a.n_tokens < 63:
+        push(cache, a, 1 if a.n_tokens % 5 else 2, rng)
+        push(cache, b, 1, rng)
+    push(cache, a, 1, rng)            # 64 = 4 pages exactly
+    check(cache, a, 1, [16, 5, 1024], rng, what)
+    push(cache, a, 1, rng)            # 65
+    check(cache, a, 1, [32, 1024], rng, what)
+    push(cache, a, 85, rng)
+    push(cache, b, 30, rng)
+    push(cache, a, 1, rng)            # 151: > 9 chunks of 16
+    check(cache, a, 1, [16, 48, 1024], rng, what)
+    pt = a.page_table[:math.ceil(a.n_tokens / P)]
+    assert (np.diff(pt) != 1).any()   # the page table really is out of order
+
+
+@pytest.mark.parametrize("fmt", ["f16", "q8_0", "q4_0", "int4", "fp8_e4m3"])
+def test_attention_smollm2_shape(fmt):
+    """SmolLM2's head layout (9 heads, 3 KV heads, HD 64), P = 32, a long decode with model.py's chunks."""
+    rng = np.random.default_rng(7)
+    cfg = make_cfg(9, 3)
+    cache = new_cache(cfg, fmt, fmt, 1200, 32, rng, max_seqs=1)
+    seq = cache.new_sequence()
+    push(cache, seq, 1000, rng)
+    push(cache, seq, 1, rng)          # 1001: not a multiple of P
+    chunks = []
+    for th in (1, 2, 8):              # the decode chunk model.py picks for these thread counts
+        want = max(1, (4 * th) // cfg.n_kv_heads)
+        chunks.append(cache.P * max(1, -(-seq.n_tokens // (cache.P * want))))
+    check(cache, seq, 1, sorted(set(chunks)) + [32], rng, fmt)
+    push(cache, seq, 19, rng)         # prefill of 19 on top of 1001
+    check(cache, seq, 19, [cache.P * -(-seq.n_tokens // cache.P), 64], rng, fmt)
+
+
+def test_attention_mixed_k_v_types():
+    """K and V in different formats (KIVI keys with ggml values and the reverse): separate boundaries."""
+    rng = np.random.default_rng(3)
+    cfg = make_cfg(6, 2)
+    for kt, vt in (("int4", "q8_0"), ("q4_1", "int2"), ("f16", "fp8_e5m2")):
+        cache = new_cache(cfg, kt, vt, 128, 16, rng)
+        seq = cache.new_sequence()
+        push(cache, seq, 45, rng)
+        check(cache, seq, 45, [1024], rng, f"{kt}/{vt}")
+        push(cache, seq, 1, rng)
+        check(cache, seq, 1, [16, 1024], rng, f"{kt}/{vt}")
+
+
+# ---- byte accounting ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_bytes_per_token_matches_allocation(fmt):
+    cfg = make_cfg(9, 3, n_layers=2)
+    for P in (16, 32):
+        cache = KVCache(cfg, 300, fmt, "q4_0" if fmt == "f16" else fmt, page_tokens=P)
+        per_tok = cache.nbytes() / cache.capacity_tokens()
+        assert cache.bytes_per_token() == per_tok
+        assert cache.bytes_per_token() == bytes_per_token(cache.layers[0].k_fmt, cache.layers[0].v_fmt,
+                                                          cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, P)
+
+
+@pytest.mark.parametrize("fmt,expected", [("f16", 23040), ("q8_0", 12240), ("q4_0", 6480)])
+def test_bytes_per_token_smollm2(fmt, expected):
+    cfg = make_cfg(9, 3, n_layers=30)
+    cache = KVCache(cfg, 64, fmt, fmt, page_tokens=32)
+    assert cache.bytes_per_token() == expected
+    assert cache.nbytes() / cache.capacity_tokens() == expected

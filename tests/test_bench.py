@@ -1,0 +1,159 @@
+"""`pykv bench`: cells, keys and output shape on a tiny synthetic model (speeds are never asserted)."""
+import argparse
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.reference import write_tiny_gguf
+
+KEYS = {"depth", "ctk", "ctv", "threads", "pp_tps", "tg_tps", "n_prompt", "n_gen", "reps", "model",
+        "kv_rotate", "pp_samples", "tg_samples"}
+
+
+def bench(*args, timeout=600):
+    return subprocess.run([sys.executable, "-m", "pykv.bench", *args], capture_output=True, text=True,
+                          timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+def assert_clean_error(r, fragment):
+    assert r.returncode != 0
+    assert "Traceback" not in r.stderr, r.stderr
+    lines = [l for l in r.stderr.strip().splitlines() if l.strip()]
+    assert len(lines) == 1, r.stderr
+    assert fragment.lower() in lines[0].lower(), lines[0]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from gguf import GGMLQuantizationType as T
+    return str(write_tiny_gguf(tmp_path_factory.mktemp("bench") / "tiny.gguf", {"default": T.Q8_0}))
+
+
+def table_rows(text):
+    lines = [l for l in text.splitlines() if l.startswith("|")]
+    assert len(lines) >= 2 and set(lines[1].replace("|", "").split()) <= {"---", "---:"}, text
+    return lines[0], lines[2:]
+
+
+def test_json_cells(tiny):
+    r = bench(tiny, "-p", "8", "-n", "3", "-d", "0,16", "-ctk", "f16,q8_0,q4_0", "-t", "1", "-r", "1", "--json")
+    assert r.returncode == 0, r.stderr
+    assert r.stderr == ""          # progress only on a TTY
+    rows = json.loads(r.stdout)
+    assert isinstance(rows, list)
+    cells = [(c["ctk"], c["ctv"], c["depth"]) for c in rows]
+    assert sorted(cells) == sorted((k, k, d) for k in ("f16", "q8_0", "q4_0") for d in (0, 16))
+    for c in rows:
+        assert KEYS <= set(c), set(c)
+        assert c["threads"] == 1 and c["n_prompt"] == 8 and c["n_gen"] == 3 and c["reps"] == 1
+        assert c["pp_tps"] > 0 and c["tg_tps"] > 0
+        assert len(c["pp_samples"]) == 1 and len(c["tg_samples"]) == 1
+        assert "llamacpp" not in c
+    rot = {c["ctk"]: c["kv_rotate"] for c in rows}
+    assert rot["q4_0"] is True and rot["f16"] is False      # auto: on for 4-bit types
+
+
+def test_markdown_one_row_per_cell(tiny):
+    r = bench(tiny, "-p", "8", "-n", "2", "-d", "0,8,24", "-ctk", "q8_0", "-ctv", "f16,q4_0", "-t", "1",
+              "-r", "2", "--kv-rotate", "off")
+    assert r.returncode == 0, r.stderr
+    head, rows = table_rows(r.stdout)
+    assert "pp8 t/s" in head and "tg2 t/s" in head and "depth" in head
+    assert len(rows) == 2 * 3                     # K q8_0 x V {f16, q4_0} x 3 depths
+    seen = set()
+    for row in rows:
+        cols = [c.strip() for c in row.strip("|").split("|")]
+        assert cols[2] == "q8_0" and cols[3] in ("f16", "q4_0") and cols[4] == "off"
+        seen.add((cols[3], int(cols[5])))
+        for fig in cols[6:8]:
+            assert float(fig.split("±")[0]) > 0
+    assert seen == {(v, d) for v in ("f16", "q4_0") for d in (0, 8, 24)}
+
+
+def test_skip_pp_or_tg_and_lists(tiny):
+    from pykv.bench import format_markdown, run_bench
+    rows = run_bench(tiny, n_prompt="0", n_gen=[2], depth="4", ctk="q8_0", threads="1", reps=2, progress=False)
+    assert len(rows) == 1 and rows[0]["pp_tps"] is None and rows[0]["tg_tps"] > 0
+    assert len(rows[0]["tg_samples"]) == 2
+    head, body = table_rows(format_markdown(rows))
+    assert "tg2" in head and "pp" not in head and len(body) == 1
+    rows = run_bench(tiny, n_prompt="4,8", n_gen="0", depth="0", ctk="f16", threads=[1], reps=1, progress=False)
+    assert [(r["n_prompt"], r["tg_tps"]) for r in rows] == [(4, None), (8, None)]
+    assert all(r["pp_tps"] > 0 for r in rows)
+    head, body = table_rows(format_markdown(rows))
+    assert "n_prompt" in head and len(body) == 2
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["-ctk", "q9_9"], "q9_9"),
+    (["-ctk", "f16", "-ctv", "nope"], "nope"),
+    (["-d", "abc"], "-d"),
+    (["-p", "-5"], "-p"),
+    (["-t", "0"], "threads"),
+    (["-r", "0"], "repetitions"),
+    (["-p", "0", "-n", "0"], "nothing to measure"),
+])
+def test_bad_input_one_line_error(tiny, args, fragment):
+    assert_clean_error(bench(tiny, *args, "-r", "1") if "-r" not in args else bench(tiny, *args), fragment)
+
+
+def test_missing_model_one_line_error():
+    assert_clean_error(bench("/nonexistent/model.gguf", "-p", "4", "-n", "1", "-r", "1"), "not found")
+
+
+def test_register_cli_wires_subcommand():
+    from pykv.bench import cmd_bench, register_cli
+    ap = argparse.ArgumentParser(prog="pykv")
+    register_cli(ap.add_subparsers(dest="cmd", required=True))
+    a = ap.parse_args(["bench", "m.gguf", "-p", "512", "-n", "128", "-d", "0,1024,4096", "-ctk", "f16,q8_0,q4_0",
+                       "-t", "2", "--json", "--compare-llamacpp", "-fa", "on", "--kv-rotate", "on"])
+    assert a.func is cmd_bench and a.model == "m.gguf" and a.n_depth == "0,1024,4096" and a.repetitions == 3
+    assert a.cache_type_k == "f16,q8_0,q4_0" and a.cache_type_v is None and a.json and a.compare_llamacpp
+    assert a.flash_attn == "on" and a.kv_rotate == "on" and a.threads == "2"
+
+
+def test_compare_llamacpp_missing_or_unloadable(tiny):
+    """Without llama-cpp-python: a one-line error; with it: pykv figures still come back, the llama.cpp
+    side of a model it cannot load is reported, not fatal."""
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        assert_clean_error(bench(tiny, "-p", "4", "-n", "1", "-r", "1", "--compare-llamacpp"), "llama-cpp-python")
+        return
+    r = bench(tiny, "-p", "4", "-n", "1", "-r", "1", "-t", "1", "--compare-llamacpp", "--json")
+    assert r.returncode == 0, r.stderr
+    (row,) = json.loads(r.stdout)
+    assert row["pp_tps"] > 0 and "llamacpp" in row
+
+
+def test_compare_llamacpp_real_model(smollm2_path):
+    pytest.importorskip("llama_cpp")
+    r = bench(smollm2_path, "-p", "8", "-n", "2", "-d", "0,8", "-ctk", "f16,q4_0", "-t", "1", "-r", "1",
+              "--compare-llamacpp", "--json")
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(r.stdout)
+    assert [(c["ctk"], c["depth"]) for c in rows] == [("f16", 0), ("f16", 8), ("q4_0", 0), ("q4_0", 8)]
+    for c in rows:
+        lc = c["llamacpp"]
+        assert lc["pp_tps"] > 0 and lc["tg_tps"] > 0 and c["pp_ratio"] > 0 and c["tg_ratio"] > 0
+        if c["ctv"] == "q4_0":
+            assert lc["pp_fa"] == lc["tg_fa"] == "on"   # llama.cpp: a quantized V cache needs fa
+        else:
+            assert lc["pp_fa"] in ("on", "off")
+    r = bench(smollm2_path, "-p", "8", "-n", "2", "-ctk", "q8_0", "-t", "1", "-r", "1", "--compare-llamacpp",
+              "-fa", "off")
+    assert r.returncode == 0, r.stderr
+    head, body = table_rows(r.stdout)
+    assert "llama.cpp" in head and len(body) == 1
+    assert "flash attention" in r.stdout             # the note on why the llama.cpp cell is empty
+
+
+def test_pykv_cli_bench_subcommand(tiny):
+    r = subprocess.run([sys.executable, "-m", "pykv", "bench", tiny, "-p", "4", "-n", "1", "-r", "1", "-t", "1",
+                        "-ctk", "q8_0", "--json"], capture_output=True, text=True, timeout=600,
+                       stdin=subprocess.DEVNULL)
+    assert r.returncode == 0, r.stderr
+    (row,) = json.loads(r.stdout)
+    assert row["ctk"] == row["ctv"] == "q8_0" and row["pp_tps"] > 0 and row["tg_tps"] > 0
