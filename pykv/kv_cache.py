@@ -19,9 +19,12 @@ from numba import njit, prange
 
 from .config import Config, PykvError
 from .formats import KV_FORMATS, kivi_page_bytes, parse_kv_type, row_bytes
+from .kernels.attention import attend as _attend
 from .kernels.kvquant import dequantize_row, kivi_quantize_kpage, quantize_row
 
 F16 = KV_FORMATS["f16"]
+SMOOTH_ALPHA = 0.5   # key channels divided by (std)^alpha, queries multiplied by it (see smooth_keys)
+N_SINK = 4           # first tokens of a sequence also kept as exact f16 rows for quantized KV types
 
 
 def kivi_bits(fmt) -> int:
@@ -84,7 +87,9 @@ class Sequence:
     page_table: np.ndarray             # int32 (max_pages,), -1 = unallocated
     n_tokens: int = 0
     residual: dict = field(default_factory=dict)   # (layer, "k"|"v") -> uint8 (KVH, P, 2*HD)
+    sink: dict = field(default_factory=dict)       # (layer, "k"|"v") -> uint8 (KVH, N_SINK, 2*HD)
     k_shift: np.ndarray | None = None   # f32 (n_layers, KVH, HD): per-channel key mean removed before quantizing
+    k_scale: np.ndarray | None = None   # f32 (n_layers, KVH, HD): keys divided, queries multiplied by it
 
 
 def _fmt_list(types, n_layers, what):
@@ -126,15 +131,13 @@ class KVCache:
         else:
             n_pages = max_seqs * self.max_pages_per_seq
         self.n_pages = n_pages
-        # Key smoothing: a query's scores all shift by the same q.mu when a fixed vector mu is removed
-        # from every key, so softmax (and attention) is unchanged in exact arithmetic, while the block
-        # quantizer no longer spends its range on the large per-channel bias LLaMA keys carry.
         self.k_smooth = [bool(k_smooth) and f.kind in ("ggml", "fp8") for f in k_fmts]
         self.layers = [LayerKV(kf, vf, np.zeros((n_pages, KVH, pk), np.uint8),
                                np.zeros((n_pages, KVH, pv), np.uint8))
                        for kf, vf, (pk, pv) in zip(k_fmts, v_fmts, self.page_bytes)]
         self.free_pages = list(range(n_pages - 1, -1, -1))
         self._dummy_res = np.zeros((KVH, self.P, 2 * HD), np.uint8)
+        self._dummy_sink = np.zeros((KVH, N_SINK, 2 * HD), np.uint8)
         self._tmp = np.zeros((KVH, self.P, HD), np.float32)
 
     def _page_bytes(self, fmt, is_key: bool) -> int:
@@ -164,10 +167,13 @@ class KVCache:
         seq = Sequence(np.full(self.max_pages_per_seq, -1, np.int32))
         if any(self.k_smooth):
             seq.k_shift = np.zeros((cfg.n_layers, cfg.n_kv_heads, cfg.head_dim), np.float32)
+            seq.k_scale = np.ones((cfg.n_layers, cfg.n_kv_heads, cfg.head_dim), np.float32)
         for li, l in enumerate(self.layers):
             for name, fmt in (("k", l.k_fmt), ("v", l.v_fmt)):
                 if fmt.kind == "kivi":
                     seq.residual[(li, name)] = np.zeros_like(self._dummy_res)
+                if fmt.kind != "float":
+                    seq.sink[(li, name)] = np.zeros_like(self._dummy_sink)
         return seq
 
     def free_sequence(self, seq: Sequence) -> None:
@@ -194,29 +200,83 @@ class KVCache:
         """Quantize k, v (T, KVH, HD) f32 for positions seq.n_tokens .. + T into layer li.
         The caller advances seq.n_tokens once all layers are appended."""
         l = self.layers[li]
-        if self.k_smooth[li]:
-            if seq.n_tokens == 0:   # the sequence's first keys fix its shift (the sink token 0 left out)
-                seq.k_shift[li] = k[1:].mean(axis=0) if k.shape[0] > 1 else k[0]
-            k -= seq.k_shift[li]
         for x, fmt, pool, name in ((k, l.k_fmt, l.k_pool, "k"), (v, l.v_fmt, l.v_pool, "v")):
+            if fmt.kind != "float" and seq.n_tokens < N_SINK:
+                e = min(x.shape[0], N_SINK - seq.n_tokens)
+                write_residual(x[:e], seq.sink[(li, name)], seq.n_tokens, N_SINK, F16.code)
             if fmt.kind != "kivi":
                 append_rows(x, pool, seq.page_table, seq.n_tokens, self.P, fmt.code)
                 continue
+            # KIVI: the newest page lives in f16 rows; a full page is quantized once, when the next
+            # token arrives, so the queries of its own page always see it in f16 (decode and a
+            # page-aligned prefill, see kivi_batch_limit, then read exactly the same values).
             res = seq.residual[(li, name)]
             bits = kivi_bits(fmt) if name == "k" else 0
             j, end = seq.n_tokens, seq.n_tokens + x.shape[0]
             while j < end:
-                page_end = (j // self.P + 1) * self.P
-                seg = min(page_end, end)
-                write_residual(x[j - seq.n_tokens:seg - seq.n_tokens], res, j, self.P, F16.code)
-                if seg == page_end:   # the page is full: quantize it once
-                    flush_residual(res, pool, seq.page_table[j // self.P], self.P, F16.code,
+                if j > 0 and j % self.P == 0:   # the previous page is full
+                    flush_residual(res, pool, seq.page_table[j // self.P - 1], self.P, F16.code,
                                    fmt.code, bits, self._tmp)
+                seg = min((j // self.P + 1) * self.P, end)
+                write_residual(x[j - seq.n_tokens:seg - seq.n_tokens], res, j, self.P, F16.code)
                 j = seg
 
+    def smooth_keys(self, li: int, seq: Sequence, q: np.ndarray, k: np.ndarray) -> None:
+        """Key smoothing, before rotation and quantization; q (T, H, HD), k (T, KVH, HD) in place.
+        Removing a fixed vector mu from every key shifts all of a query's scores by the same q.mu, and
+        dividing key channels by s while multiplying query channels by s keeps q.k: attention is
+        unchanged in exact arithmetic, while the block quantizer no longer spends its range on the
+        large per-channel bias and spread of LLaMA keys. The sequence's first keys fix mu and s
+        (the attention-sink token 0 left out)."""
+        if not self.k_smooth[li]:
+            return
+        if seq.n_tokens == 0:
+            ks = k[1:] if k.shape[0] > 1 else k
+            mu = ks.mean(axis=0)
+            seq.k_shift[li] = mu
+            if SMOOTH_ALPHA > 0 and ks.shape[0] > 1:
+                sd = np.sqrt(((ks - mu) ** 2).mean(axis=0))           # (KVH, HD)
+                sd = np.maximum(sd, 1e-2 * sd.max(axis=1, keepdims=True) + 1e-12)
+                sc = sd ** SMOOTH_ALPHA
+                seq.k_scale[li] = sc / np.exp(np.log(sc).mean(axis=1, keepdims=True))
+        k -= seq.k_shift[li]
+        k /= seq.k_scale[li]
+        T, H, HD = q.shape
+        KVH = k.shape[1]
+        q.reshape(T, KVH, H // KVH, HD)[...] *= seq.k_scale[li][None, :, None, :]
+
     def n_quantized(self, fmt, n_tokens: int) -> int:
-        """Tokens read from the pool (the rest come from the f16 residual)."""
-        return (n_tokens // self.P) * self.P if fmt.kind == "kivi" else n_tokens
+        """Tokens read from the pool (the rest come from the f16 residual: KIVI's newest page)."""
+        if fmt.kind != "kivi":
+            return n_tokens
+        return max(0, (n_tokens - 1) // self.P * self.P)
+
+    def kivi_batch_limit(self, n_tokens: int) -> int | None:
+        """With KIVI layers a batch must not cross a page boundary, so every query sees the pages
+        quantized exactly as a token-by-token decode would; None when no layer is KIVI."""
+        if not any(f.kind == "kivi" for l in self.layers for f in (l.k_fmt, l.v_fmt)):
+            return None
+        return self.P - n_tokens % self.P
+
+    def attend(self, li: int, seq: Sequence, q: np.ndarray, n_past: int, chunk: int, part: np.ndarray,
+               out: np.ndarray) -> None:
+        """Fused attention over layer li's pages for queries q (T, H, HD), pre-scaled by 1/sqrt(HD),
+        at positions n_past .. n_past + T - 1, whose K/V are already appended; out (T, H, HD).
+        part: scratch (T, KVH, C, G, HD + 2) with C >= ceil((n_past + T) / chunk)."""
+        l, n_tot = self.layers[li], n_past + q.shape[0]
+        _attend(q, l.k_pool, l.v_pool, self.residual(seq, li, "k"), self.residual(seq, li, "v"),
+                self.sink(seq, li, "k"), self.sink(seq, li, "v"), seq.page_table, n_past,
+                self.n_sink(l.k_fmt, n_tot), self.n_sink(l.v_fmt, n_tot),
+                self.n_quantized(l.k_fmt, n_tot), self.n_quantized(l.v_fmt, n_tot), self.P,
+                l.k_fmt.code, l.k_bits, l.v_fmt.code, self.F16_CODE, chunk, part, out)
+
+    def n_sink(self, fmt, n_tokens: int) -> int:
+        """Tokens read from the exact f16 sink rows: quantization error on the attention-sink
+        tokens, which most queries weigh heavily, costs far more than anywhere else."""
+        return 0 if fmt.kind == "float" else min(N_SINK, n_tokens)
+
+    def sink(self, seq: Sequence, li: int, name: str) -> np.ndarray:
+        return seq.sink.get((li, name), self._dummy_sink)
 
     def residual(self, seq: Sequence, li: int, name: str) -> np.ndarray:
         return seq.residual.get((li, name), self._dummy_res)

@@ -12,7 +12,6 @@ from gguf import GGMLQuantizationType as GT
 from .config import Config, PykvError
 from .gguf_io import WEIGHT_TYPES, GGUFFile, open_model
 from .kernels import matmul as mm
-from .kernels.attention import attend
 from .kernels.ops import add_inplace, fwht_heads, rmsnorm, rope, rope_tables, swiglu
 from .kv_cache import KVCache, Sequence
 from .tokenizer import StreamDecoder, Tokenizer
@@ -175,13 +174,13 @@ class Model:
         n_past = seq.n_tokens
         rope(q3, n_past, self.cos, self.sin, cfg.rope_dims)
         rope(k3, n_past, self.cos, self.sin, cfg.rope_dims)
+        cache.smooth_keys(li, seq, q3, k3)
         if self.rotate:
             fwht_heads(q3, self.rot_sign, False)
             fwht_heads(k3, self.rot_sign, False)
             fwht_heads(v3, self.rot_sign, False)
         q3 *= np.float32(1.0 / np.sqrt(HD))
         cache.append(li, seq, k3, v3)
-        lk = cache.layers[li]
         n_tot = n_past + T
         if T == 1:   # decode: split the keys in chunks so every thread works on one long sequence
             want = max(1, (4 * numba.get_num_threads()) // KVH)
@@ -191,9 +190,7 @@ class Model:
         C = -(-n_tot // chunk)
         part = st.part[:T * KVH * C * (H // KVH) * (HD + 2)].reshape(T, KVH, C, H // KVH, HD + 2)
         att3 = st.att[:T].reshape(T, H, HD)
-        attend(q3, lk.k_pool, lk.v_pool, cache.residual(seq, li, "k"), cache.residual(seq, li, "v"),
-               seq.page_table, n_past, cache.n_quantized(lk.k_fmt, n_tot), cache.n_quantized(lk.v_fmt, n_tot),
-               cache.P, lk.k_fmt.code, lk.k_bits, lk.v_fmt.code, cache.F16_CODE, chunk, part, att3)
+        cache.attend(li, seq, q3, n_past, chunk, part, att3)
         if self.rotate:
             fwht_heads(att3, self.rot_sign, True)
         st.act_d.set(st.att[:T])
@@ -209,14 +206,17 @@ class Model:
         mm.matmul(lw.w_down, st.act_ff, o)
         add_inplace(x, o)
 
-    def _batch(self, seq: Sequence, ids: np.ndarray, all_logits: bool) -> np.ndarray:
-        """Run T <= n_batch tokens at positions seq.n_tokens.. ; returns logits (T or 1, V) (a view)."""
+    def _batch(self, seq: Sequence, ids: np.ndarray, all_logits: bool, need_logits: bool = True):
+        """Run T <= n_batch tokens at positions seq.n_tokens.. ; returns logits (T or 1, V) (a view),
+        or None when need_logits is False."""
         T, st, w = len(ids), self.state, self.weights
         self.cache.reserve(seq, T)
         mm.get_rows(w.token_embd, ids, st.x[:T])
         for li in range(self.config.n_layers):
             self._layer(li, seq, T)
         seq.n_tokens += T
+        if not need_logits:
+            return None
         rows = st.x[:T] if all_logits else st.x[T - 1:T]
         n = rows.shape[0]
         rmsnorm(rows, w.output_norm, self.config.norm_eps, st.h[:n])
@@ -234,14 +234,21 @@ class Model:
         if seq.n_tokens + len(ids) > self.n_ctx:
             raise PykvError(f"{seq.n_tokens + len(ids)} tokens exceed the context size {self.n_ctx} (use -c)")
         out = np.zeros((len(ids) if all_logits else 1, self.n_vocab), np.float32)
-        for s in range(0, len(ids), self.n_batch):
-            part = self._batch(seq, ids[s:s + self.n_batch], all_logits)
+        s = 0
+        while s < len(ids):
+            n = min(self.n_batch, len(ids) - s)
+            lim = self.cache.kivi_batch_limit(seq.n_tokens)
+            if lim is not None:
+                n = min(n, lim)
+            last = s + n == len(ids)
+            part = self._batch(seq, ids[s:s + n], all_logits, need_logits=all_logits or last)
             if all_logits:
-                out[s:s + len(part)] = part
-            else:
+                out[s:s + n] = part
+            elif last:
                 out[0] = part[-1]
+            s += n
             if progress is not None:
-                progress(min(s + self.n_batch, len(ids)))
+                progress(s)
         return out
 
     def new_sequence(self) -> Sequence:

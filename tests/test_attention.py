@@ -19,7 +19,6 @@ import pytest
 
 from pykv.config import Config
 from pykv.formats import KV_FORMATS, bytes_per_token
-from pykv.kernels.attention import attend
 from pykv.kernels.kvquant import dequantize_row, kivi_dequant_k
 from pykv.kv_cache import KVCache
 
@@ -66,13 +65,17 @@ def dequant_cache(cache, seq, li=0):
     out = []
     for name, fmt, pool in (("k", l.k_fmt, l.k_pool), ("v", l.v_fmt, l.v_pool)):
         nq = cache.n_quantized(fmt, n)
+        ns = cache.n_sink(fmt, n)
         res = cache.residual(seq, li, name)
+        sink = cache.sink(seq, li, name)
         x = np.zeros((n, KVH, HD), np.float32)
         rb = pool.shape[2] // P
         for j in range(n):
             page = seq.page_table[j // P]
             for g in range(KVH):
-                if j >= nq:
+                if j < ns:
+                    dequantize_row(cache.F16_CODE, sink[g, j], x[j, g])
+                elif j >= nq:
                     dequantize_row(cache.F16_CODE, res[g, j % P], x[j, g])
                 elif name == "k" and l.k_bits:
                     kivi_dequant_k(l.k_bits, pool[page, g], j % P, P, x[j, g])
@@ -94,9 +97,7 @@ def run_attend(cache, seq, q, chunk, li=0):
     C = -(-n_tot // chunk)
     part = np.full((T, KVH, C, H // KVH, HD + 2), np.nan, np.float32)
     out = np.full((T, H, HD), np.nan, np.float32)
-    attend(q, l.k_pool, l.v_pool, cache.residual(seq, li, "k"), cache.residual(seq, li, "v"),
-           seq.page_table, n_past, cache.n_quantized(l.k_fmt, n_tot), cache.n_quantized(l.v_fmt, n_tot),
-           P, l.k_fmt.code, l.k_bits, l.v_fmt.code, cache.F16_CODE, chunk, part, out)
+    cache.attend(li, seq, q, n_past, chunk, part, out)
     return out
 
 

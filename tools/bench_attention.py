@@ -16,7 +16,6 @@ import numba
 import numpy as np
 
 from pykv.config import Config
-from pykv.kernels.attention import attend
 from pykv.kv_cache import KVCache
 
 
@@ -60,18 +59,15 @@ def bench_one(cache, seq, cfg, reps, rng):
     out = np.zeros((1, H, HD), np.float32)
     calls = []
     for li, l in enumerate(cache.layers):
-        calls.append((q, l.k_pool, l.v_pool, cache.residual(seq, li, "k"), cache.residual(seq, li, "v"),
-                      seq.page_table, n_past, cache.n_quantized(l.k_fmt, n_tot),
-                      cache.n_quantized(l.v_fmt, n_tot), P, l.k_fmt.code, l.k_bits, l.v_fmt.code,
-                      cache.F16_CODE, chunk, part, out))
+        calls.append((li, seq, q, n_past, chunk, part, out))
     for args in calls:   # compile / warm
-        attend(*args)
+        cache.attend(*args)
     ts, cs = [], []
     for _ in range(reps):
         c0 = time.process_time()
         t0 = time.perf_counter()
         for args in calls:
-            attend(*args)
+            cache.attend(*args)
         ts.append((time.perf_counter() - t0) / len(calls))
         cs.append((time.process_time() - c0) / len(calls))
     return float(np.median(ts)) * 1e3, float(np.min(ts)) * 1e3, float(np.median(cs)) * 1e3

@@ -29,7 +29,7 @@ from numba.extending import intrinsic
 
 from ..formats import (CODE_BF16, CODE_F16, CODE_F32, CODE_FP8_E4M3, CODE_FP8_E5M2, CODE_INT2,
                        CODE_INT4, CODE_IQ4_NL, CODE_Q4_0, CODE_Q4_1, CODE_Q5_0, CODE_Q5_1, CODE_Q8_0)
-from .kvquant import FP8_E4M3_TABLE, FP8_E5M2_TABLE, KVALUES_IQ4NL, bits_f32  # noqa: F401
+from .kvquant import KVALUES_IQ4NL, bits_f32
 
 TILE = 32          # keys per segment (the f32 K and V tiles: TILE x HD floats each)
 QBLOCK = 8         # query tokens per work item in prefill
@@ -314,8 +314,8 @@ def _accum(px, vt, n, ax):
 # ----------------------------------------------------------------------------------------------
 
 @njit(cache=True, nogil=True, fastmath=_FM)
-def _item(q, kpool, vpool, kres, vres, page_table, n_past, nq_k, nq_v, P, kcode, kbits, vcode, rcode,
-          g, t0, t1, j0, j1, part, c):
+def _item(q, kpool, vpool, kres, vres, ksink, vsink, page_table, n_past, ns_k, ns_v, nq_k, nq_v, P,
+          kcode, kbits, vcode, rcode, g, t0, t1, j0, j1, part, c):
     """Keys [j0, j1) (already clipped to the causal end of query t1 - 1) for query tokens [t0, t1) and
     the G heads of KV head g; (m, l, acc) per query row -> part[t, g, c, gi]."""
     H, HD = q.shape[1], q.shape[2]
@@ -342,6 +342,7 @@ def _item(q, kpool, vpool, kres, vres, page_table, n_past, nq_k, nq_v, P, kcode,
     rbk = kpool.shape[2] // P
     rbv = vpool.shape[2] // P
     rbr = kres.shape[2]
+    NS = ksink.shape[1]
     j = j0
     while j < j1:
         pg = j // P
@@ -351,10 +352,16 @@ def _item(q, kpool, vpool, kres, vres, page_table, n_past, nq_k, nq_v, P, kcode,
             e = min(e, nq_k)
         if j < nq_v:
             e = min(e, nq_v)
+        if j < ns_k:
+            e = min(e, ns_k)
+        if j < ns_v:
+            e = min(e, ns_v)
         n = e - j
         page = page_table[pg] if (j < nq_k or j < nq_v) else 0
         # ---- K tile
-        if j >= nq_k:
+        if j < ns_k:                                 # attention-sink tokens: exact f16 copies
+            _deq_tile(rcode, ksink[g].reshape(NS * rbr), j * rbr, rbr, n, kt)
+        elif j >= nq_k:
             _deq_tile(rcode, kres[g].reshape(P * rbr), sp * rbr, rbr, n, kt)
         elif kbits > 0:
             _deq_kivi_k_tile(kbits, kpool[page, g], sp, n, kt, dk, mk)
@@ -384,7 +391,9 @@ def _item(q, kpool, vpool, kres, vres, page_table, n_past, nq_k, nq_v, P, kcode,
                 s[x, r] = np.float32(0.0)
             lrow[x] += ls
         # ---- V tile
-        if j >= nq_v:
+        if j < ns_v:
+            _deq_tile(rcode, vsink[g].reshape(NS * rbr), j * rbr, rbr, n, vt)
+        elif j >= nq_v:
             _deq_tile(rcode, vres[g].reshape(P * rbr), sp * rbr, rbr, n, vt)
         else:
             _deq_tile(vcode, vpool[page, g], sp * rbv, rbv, n, vt)
@@ -404,11 +413,13 @@ def _item(q, kpool, vpool, kres, vres, page_table, n_past, nq_k, nq_v, P, kcode,
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=_FM)
-def attend(q, kpool, vpool, kres, vres, page_table, n_past, nq_k, nq_v, P,
+def attend(q, kpool, vpool, kres, vres, ksink, vsink, page_table, n_past, ns_k, ns_v, nq_k, nq_v, P,
            kcode, kbits, vcode, rcode, chunk, part, out):
     """q (T, H, HD) f32, already scaled by 1/sqrt(HD); out (T, H, HD) f32.
-    Query t attends to keys 0 .. n_past + t (causal). Keys j < nq_k (values j < nq_v) are read
-    from the pools through the page table, later ones from the f16 residual rows.
+    Query t attends to keys 0 .. n_past + t (causal). Keys j < ns_k (values j < ns_v) are the
+    sequence's attention-sink tokens, read from their f16 copies ksink/vsink (KVH, NS, 2*HD);
+    keys j < nq_k (values j < nq_v) are read from the pools through the page table, later ones
+    from the f16 residual rows kres/vres (KVH, P, 2*HD).
     part: f32 scratch (T, KVH, C, G, HD + 2) with C >= ceil((n_past + T) / chunk).
     Any chunk >= 1 works; multiples of P (and of TILE) split the fewest segments."""
     T, H, HD = q.shape
@@ -429,8 +440,8 @@ def attend(q, kpool, vpool, kres, vres, page_table, n_past, nq_k, nq_v, P,
         t1 = min(t0 + QB, T)
         j0 = c * chunk
         j1 = min(j0 + chunk, n_past + t1)
-        _item(q, kpool, vpool, kres, vres, page_table, n_past, nq_k, nq_v, P, kcode, kbits, vcode,
-              rcode, g, t0, t1, j0, j1, part, c)
+        _item(q, kpool, vpool, kres, vres, ksink, vsink, page_table, n_past, ns_k, ns_v, nq_k, nq_v, P,
+              kcode, kbits, vcode, rcode, g, t0, t1, j0, j1, part, c)
     for th in prange(T * H):
         t = th // H
         h = th % H
