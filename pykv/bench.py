@@ -480,23 +480,10 @@ def register_cli(subparsers) -> None:
 
 
 def main(argv=None) -> int:
-    """`python -m pykv.bench ...` / tests: the bench subcommand alone, with the CLI's error handling."""
-    import argparse
-    ap = argparse.ArgumentParser(prog="pykv")
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    register_cli(sub)
+    """`python -m pykv.bench ...`: the bench subcommand alone, with the CLI's error handling."""
+    from .cli import main as cli_main
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] != "bench":
-        argv = ["bench", *argv]
-    args = ap.parse_args(argv)
-    try:
-        return int(args.func(args) or 0)
-    except PykvError as e:
-        print(f"pykv: error: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("pykv: interrupted", file=sys.stderr)
-        return 130
+    return cli_main(argv if argv[:1] == ["bench"] else ["bench", *argv])
 
 
 if __name__ == "__main__":

@@ -8,7 +8,6 @@ llama.cpp's interleaved-pair layout), so llama.cpp and pykv load them alike.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import re

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import time
 
-import numpy as np
 
 from .config import PykvError
 from .sampler import Sampler, SamplerParams

@@ -25,6 +25,7 @@ from .kernels.kvquant import dequantize_row, kivi_quantize_kpage, quantize_row
 F16 = KV_FORMATS["f16"]
 SMOOTH_ALPHA = 0.5   # key channels divided by (std)^alpha, queries multiplied by it (see smooth_keys)
 N_SINK = 4           # first tokens of a sequence also kept as exact f16 rows for quantized KV types
+KIVI_WINDOW = 3      # KIVI: full pages kept in f16 behind the newest one (KIVI's recent-token window)
 
 
 def kivi_bits(fmt) -> int:
@@ -56,12 +57,13 @@ def write_residual(x, res, start, P, rcode):
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def flush_residual(res, pool, page, P, rcode, code, kbits, tmp):
-    # quantize a full residual page (KVH, P, 2*HD) into pool[page]; tmp (KVH, P, HD) f32 scratch.
+def flush_residual(res, r0, pool, page, P, rcode, code, kbits, tmp):
+    # quantize the full page held in residual rows r0 .. r0+P-1 of res (KVH, RING, 2*HD) into
+    # pool[page]; tmp (KVH, P, HD) f32 scratch.
     KVH = res.shape[0]
     for g in prange(KVH):
         for s in range(P):
-            dequantize_row(rcode, res[g, s], tmp[g, s])
+            dequantize_row(rcode, res[g, r0 + s], tmp[g, s])
         if kbits > 0:
             kivi_quantize_kpage(kbits, tmp[g], pool[page, g])
         else:
@@ -136,7 +138,8 @@ class KVCache:
                                np.zeros((n_pages, KVH, pv), np.uint8))
                        for kf, vf, (pk, pv) in zip(k_fmts, v_fmts, self.page_bytes)]
         self.free_pages = list(range(n_pages - 1, -1, -1))
-        self._dummy_res = np.zeros((KVH, self.P, 2 * HD), np.uint8)
+        self.ring = (KIVI_WINDOW + 1) * self.P   # residual rows per KV head: a ring of whole pages
+        self._dummy_res = np.zeros((KVH, self.ring, 2 * HD), np.uint8)
         self._dummy_sink = np.zeros((KVH, N_SINK, 2 * HD), np.uint8)
         self._tmp = np.zeros((KVH, self.P, HD), np.float32)
 
@@ -207,18 +210,20 @@ class KVCache:
             if fmt.kind != "kivi":
                 append_rows(x, pool, seq.page_table, seq.n_tokens, self.P, fmt.code)
                 continue
-            # KIVI: the newest page lives in f16 rows; a full page is quantized once, when the next
-            # token arrives, so the queries of its own page always see it in f16 (decode and a
-            # page-aligned prefill, see kivi_batch_limit, then read exactly the same values).
+            # KIVI: the newest KIVI_WINDOW + 1 pages live in f16 rows (a ring); a page is quantized
+            # once, when the token that pushes it out of that window arrives, so the queries of a
+            # page always see it in f16 (decode and a page-aligned prefill, see kivi_batch_limit,
+            # then read exactly the same values).
             res = seq.residual[(li, name)]
             bits = kivi_bits(fmt) if name == "k" else 0
             j, end = seq.n_tokens, seq.n_tokens + x.shape[0]
             while j < end:
-                if j > 0 and j % self.P == 0:   # the previous page is full
-                    flush_residual(res, pool, seq.page_table[j // self.P - 1], self.P, F16.code,
-                                   fmt.code, bits, self._tmp)
+                pf = j // self.P - 1 - KIVI_WINDOW     # the page leaving the f16 window
+                if j % self.P == 0 and pf >= 0:
+                    flush_residual(res, (pf * self.P) % self.ring, pool, seq.page_table[pf], self.P,
+                                   F16.code, fmt.code, bits, self._tmp)
                 seg = min((j // self.P + 1) * self.P, end)
-                write_residual(x[j - seq.n_tokens:seg - seq.n_tokens], res, j, self.P, F16.code)
+                write_residual(x[j - seq.n_tokens:seg - seq.n_tokens], res, j, self.ring, F16.code)
                 j = seg
 
     def smooth_keys(self, li: int, seq: Sequence, q: np.ndarray, k: np.ndarray) -> None:
@@ -249,7 +254,7 @@ class KVCache:
         """Tokens read from the pool (the rest come from the f16 residual: KIVI's newest page)."""
         if fmt.kind != "kivi":
             return n_tokens
-        return max(0, (n_tokens - 1) // self.P * self.P)
+        return max(0, ((n_tokens - 1) // self.P - KIVI_WINDOW) * self.P)
 
     def kivi_batch_limit(self, n_tokens: int) -> int | None:
         """With KIVI layers a batch must not cross a page boundary, so every query sees the pages

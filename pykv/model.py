@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import os
-import time
 from dataclasses import dataclass
 
 import numba
@@ -12,9 +11,10 @@ from gguf import GGMLQuantizationType as GT
 from .config import Config, PykvError
 from .gguf_io import WEIGHT_TYPES, GGUFFile, open_model
 from .kernels import matmul as mm
-from .kernels.ops import add_inplace, fwht_heads, rmsnorm, rope, rope_tables, swiglu
+from .kernels.ops import (add_inplace, add_rmsnorm_act, copy_act, fwht_heads, rmsnorm, rmsnorm_act, rope,
+                          rope_tables, swiglu_act)
 from .kv_cache import KVCache, Sequence
-from .tokenizer import StreamDecoder, Tokenizer
+from .tokenizer import Tokenizer
 
 NORM_TYPES = {GT.F32}
 ROTATE_SEED = 0x5EED
@@ -163,13 +163,14 @@ class Model:
     def _layer(self, li: int, seq: Sequence, T: int) -> None:
         cfg, st, lw, cache = self.config, self.state, self.weights.layers[li], self.cache
         H, KVH, HD = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        x, h = st.x[:T], st.h[:T]
-        rmsnorm(x, lw.attn_norm, cfg.norm_eps, h)
-        st.act_d.set(h)
+        x, ad, af = st.x[:T], st.act_d, st.act_ff
+        if li == 0:
+            rmsnorm_act(x, lw.attn_norm, cfg.norm_eps, ad.x, ad.xf)
+        else:   # the previous layer's FFN output is still in st.o: x += o and the norm in one call
+            add_rmsnorm_act(x, st.o[:T], lw.attn_norm, cfg.norm_eps, ad.x, ad.xf)
+        ad.mark(T)
         q, k, v = st.q[:T], st.k[:T], st.v[:T]
-        mm.matmul(lw.wq, st.act_d, q)
-        mm.matmul(lw.wk, st.act_d, k)
-        mm.matmul(lw.wv, st.act_d, v)
+        mm.matmul_fused((lw.wq, lw.wk, lw.wv), ad, (q, k, v))
         q3, k3, v3 = q.reshape(T, H, HD), k.reshape(T, KVH, HD), v.reshape(T, KVH, HD)
         n_past = seq.n_tokens
         rope(q3, n_past, self.cos, self.sin, cfg.rope_dims)
@@ -193,18 +194,19 @@ class Model:
         cache.attend(li, seq, q3, n_past, chunk, part, att3)
         if self.rotate:
             fwht_heads(att3, self.rot_sign, True)
-        st.act_d.set(st.att[:T])
+        copy_act(st.att[:T], ad.x, ad.xf)
+        ad.mark(T)
         o = st.o[:T]
-        mm.matmul(lw.wo, st.act_d, o)
-        add_inplace(x, o)
-        rmsnorm(x, lw.ffn_norm, cfg.norm_eps, h)
-        st.act_d.set(h)
-        mm.matmul(lw.w_gate, st.act_d, st.g[:T])
-        mm.matmul(lw.w_up, st.act_d, st.u[:T])
-        swiglu(st.g[:T], st.u[:T], st.ff[:T])
-        st.act_ff.set(st.ff[:T])
-        mm.matmul(lw.w_down, st.act_ff, o)
-        add_inplace(x, o)
+        mm.matmul(lw.wo, ad, o)
+        add_rmsnorm_act(x, o, lw.ffn_norm, cfg.norm_eps, ad.x, ad.xf)
+        ad.mark(T)
+        mm.matmul_fused((lw.w_gate, lw.w_up), ad, (st.g[:T], st.u[:T]))
+        swiglu_act(st.g[:T], st.u[:T], af.x, af.xf)
+        af.mark(T)
+        mm.matmul(lw.w_down, af, o)
+        if li == cfg.n_layers - 1:
+            add_inplace(x, o)
+        # else: the next layer's add_rmsnorm_act adds o to x
 
     def _batch(self, seq: Sequence, ids: np.ndarray, all_logits: bool, need_logits: bool = True):
         """Run T <= n_batch tokens at positions seq.n_tokens.. ; returns logits (T or 1, V) (a view),

@@ -76,7 +76,7 @@ def dequant_cache(cache, seq, li=0):
                 if j < ns:
                     dequantize_row(cache.F16_CODE, sink[g, j], x[j, g])
                 elif j >= nq:
-                    dequantize_row(cache.F16_CODE, res[g, j % P], x[j, g])
+                    dequantize_row(cache.F16_CODE, res[g, j % res.shape[1]], x[j, g])
                 elif name == "k" and l.k_bits:
                     kivi_dequant_k(l.k_bits, pool[page, g], j % P, P, x[j, g])
                 else:
@@ -90,8 +90,7 @@ def dequant_cache(cache, seq, li=0):
 def run_attend(cache, seq, q, chunk, li=0):
     """attend() exactly as model.py calls it, for the last T = len(q) tokens of seq."""
     T, H, HD = q.shape
-    KVH, P = cache.cfg.n_kv_heads, cache.P
-    l = cache.layers[li]
+    KVH = cache.cfg.n_kv_heads
     n_tot = seq.n_tokens
     n_past = n_tot - T
     C = -(-n_tot // chunk)

@@ -7,22 +7,14 @@ import sys
 import pytest
 
 from tests.reference import write_tiny_gguf
+from tests.util import assert_clean_error, run_module
 
 KEYS = {"depth", "ctk", "ctv", "threads", "pp_tps", "tg_tps", "n_prompt", "n_gen", "reps", "model",
         "kv_rotate", "pp_samples", "tg_samples"}
 
 
 def bench(*args, timeout=600):
-    return subprocess.run([sys.executable, "-m", "pykv.bench", *args], capture_output=True, text=True,
-                          timeout=timeout, stdin=subprocess.DEVNULL)
-
-
-def assert_clean_error(r, fragment):
-    assert r.returncode != 0
-    assert "Traceback" not in r.stderr, r.stderr
-    lines = [l for l in r.stderr.strip().splitlines() if l.strip()]
-    assert len(lines) == 1, r.stderr
-    assert fragment.lower() in lines[0].lower(), lines[0]
+    return run_module("pykv.bench", *args, timeout=timeout)
 
 
 @pytest.fixture(scope="module")

@@ -1,24 +1,13 @@
 """The command line end to end, bad inputs included (one-line error, non-zero exit, no traceback)."""
-import subprocess
-import sys
 
 import numpy as np
-import pytest
 
 from tests.reference import write_tiny_gguf
+from tests.util import assert_clean_error, run_module
 
 
-def pykv(*args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "pykv", *args], capture_output=True, text=True,
-                          timeout=timeout, stdin=subprocess.DEVNULL)
-
-
-def assert_clean_error(r, fragment):
-    assert r.returncode != 0
-    assert "Traceback" not in r.stderr, r.stderr
-    lines = [l for l in r.stderr.strip().splitlines() if l.strip()]
-    assert len(lines) == 1, r.stderr
-    assert fragment.lower() in lines[0].lower(), lines[0]
+def pykv(*args, timeout=600):
+    return run_module("pykv", *args, timeout=timeout)
 
 
 def test_run_default_model_names_paris():

@@ -342,6 +342,7 @@ def _item(q, kpool, vpool, kres, vres, ksink, vsink, page_table, n_past, ns_k, n
     rbk = kpool.shape[2] // P
     rbv = vpool.shape[2] // P
     rbr = kres.shape[2]
+    RING = kres.shape[1]                         # residual rows: a ring of whole pages (token j -> j % RING)
     NS = ksink.shape[1]
     j = j0
     while j < j1:
@@ -362,7 +363,7 @@ def _item(q, kpool, vpool, kres, vres, ksink, vsink, page_table, n_past, ns_k, n
         if j < ns_k:                                 # attention-sink tokens: exact f16 copies
             _deq_tile(rcode, ksink[g].reshape(NS * rbr), j * rbr, rbr, n, kt)
         elif j >= nq_k:
-            _deq_tile(rcode, kres[g].reshape(P * rbr), sp * rbr, rbr, n, kt)
+            _deq_tile(rcode, kres[g].reshape(RING * rbr), (j % RING) * rbr, rbr, n, kt)
         elif kbits > 0:
             _deq_kivi_k_tile(kbits, kpool[page, g], sp, n, kt, dk, mk)
         else:
@@ -394,7 +395,7 @@ def _item(q, kpool, vpool, kres, vres, ksink, vsink, page_table, n_past, ns_k, n
         if j < ns_v:
             _deq_tile(rcode, vsink[g].reshape(NS * rbr), j * rbr, rbr, n, vt)
         elif j >= nq_v:
-            _deq_tile(rcode, vres[g].reshape(P * rbr), sp * rbr, rbr, n, vt)
+            _deq_tile(rcode, vres[g].reshape(RING * rbr), (j % RING) * rbr, rbr, n, vt)
         else:
             _deq_tile(vcode, vpool[page, g], sp * rbv, rbv, n, vt)
         for x in range(R):
@@ -419,7 +420,8 @@ def attend(q, kpool, vpool, kres, vres, ksink, vsink, page_table, n_past, ns_k, 
     Query t attends to keys 0 .. n_past + t (causal). Keys j < ns_k (values j < ns_v) are the
     sequence's attention-sink tokens, read from their f16 copies ksink/vsink (KVH, NS, 2*HD);
     keys j < nq_k (values j < nq_v) are read from the pools through the page table, later ones
-    from the f16 residual rows kres/vres (KVH, P, 2*HD).
+    from the f16 residual rows kres/vres (KVH, RING, 2*HD), a ring of whole pages (token j in row
+    j % RING).
     part: f32 scratch (T, KVH, C, G, HD + 2) with C >= ceil((n_past + T) / chunk).
     Any chunk >= 1 works; multiples of P (and of TILE) split the fewest segments."""
     T, H, HD = q.shape
@@ -442,24 +444,33 @@ def attend(q, kpool, vpool, kres, vres, ksink, vsink, page_table, n_past, ns_k, 
         j1 = min(j0 + chunk, n_past + t1)
         _item(q, kpool, vpool, kres, vres, ksink, vsink, page_table, n_past, ns_k, ns_v, nq_k, nq_v, P,
               kcode, kbits, vcode, rcode, g, t0, t1, j0, j1, part, c)
-    for th in prange(T * H):
-        t = th // H
-        h = th % H
-        g = h // G
-        gi = h % G
-        mx = -np.inf
-        for c in range(C):
-            if part[t, g, c, gi, 1] > 0.0:
-                mx = max(mx, part[t, g, c, gi, 0])
-        lsum = np.float32(0.0)
-        for i in range(HD):
-            out[t, h, i] = 0.0
-        for c in range(C):
-            if part[t, g, c, gi, 1] > 0.0:
-                w = np.exp(part[t, g, c, gi, 0] - mx)
-                lsum += part[t, g, c, gi, 1] * w
-                for i in range(HD):
-                    out[t, h, i] += part[t, g, c, gi, 2 + i] * w
-        inv = 1.0 / lsum
-        for i in range(HD):
-            out[t, h, i] *= inv
+    if T * H <= 64:      # decode: a few heads, not worth a second parallel region (its launch)
+        for th in range(T * H):
+            _merge(part, C, G, th // H, th % H, out)
+    else:
+        for th in prange(T * H):
+            _merge(part, C, G, th // H, th % H, out)
+
+
+@njit(cache=True, nogil=True, fastmath=_FM, inline="always")
+def _merge(part, C, G, t, h, out):
+    """out[t, h] = the chunks' partials (m, l, acc) of query t, head h merged with log-sum-exp weights."""
+    HD = out.shape[2]
+    g = h // G
+    gi = h % G
+    mx = -np.inf
+    for c in range(C):
+        if part[t, g, c, gi, 1] > 0.0:
+            mx = max(mx, part[t, g, c, gi, 0])
+    lsum = np.float32(0.0)
+    for i in range(HD):
+        out[t, h, i] = 0.0
+    for c in range(C):
+        if part[t, g, c, gi, 1] > 0.0:
+            w = np.exp(part[t, g, c, gi, 0] - mx)
+            lsum += part[t, g, c, gi, 1] * w
+            for i in range(HD):
+                out[t, h, i] += part[t, g, c, gi, 2 + i] * w
+    inv = 1.0 / lsum
+    for i in range(HD):
+        out[t, h, i] *= inv

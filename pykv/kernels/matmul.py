@@ -35,7 +35,7 @@ import numba
 
 from gguf import GGMLQuantizationType as _GT
 
-__all__ = ["Weight", "Act", "prepare_weight", "matmul", "get_rows", "set_exact", "SUPPORTED_TYPES"]
+__all__ = ["Weight", "Act", "prepare_weight", "matmul", "matmul_fused", "get_rows", "set_exact", "SUPPORTED_TYPES"]
 
 # fast-math without nnan/ninf (keeps inf/nan semantics honest) and without denormal flushing
 _FM = {"contract", "reassoc", "nsz", "arcp"}
@@ -297,6 +297,21 @@ def _act_set(x, T, X, XQ, XD, XS, XF):
             XS[t, b] = s
 
 
+@njit(cache=True, nogil=True, fastmath=_FM)
+def _act_set_f(x, T, X, XF):
+    """X[:T] = x and the float block sums XF (what the tile kernels read)."""
+    cols = x.shape[1]
+    nb = XF.shape[1]
+    for t in range(T):
+        for j in range(cols):
+            X[t, j] = x[t, j]
+        for b in range(nb):
+            sf = np.float32(0.0)
+            for j in range(32):
+                sf += x[t, 32 * b + j]
+            XF[t, b] = sf
+
+
 # ----------------------------------------------------------------------------------------------------
 # q8-activation integer-dot kernels
 # ----------------------------------------------------------------------------------------------------
@@ -510,6 +525,59 @@ def _mm_tile_q8(qt, dt, rows, T, X, tail, out):
                     out[t, r0 + i] = tail[t, i]
 
 
+# ---- several weights in one parallel region (decode: Q/K/V, gate/up): one prange launch instead of
+# two or three.  Every weight must be a full-tile Q4 tile weight (rows % R == 0) with the same cols.
+
+@njit(cache=True, nogil=True, parallel=True, fastmath=_FM)
+def _mm_tile_q4_3(qa, da, oa, qb, db, ob, qc, dc, oc, T, X, XF):
+    na = qa.shape[0]
+    nb_ = qb.shape[0]
+    ntot = na + nb_ + qc.shape[0]
+    nblk = qa.shape[1]
+    R = qa.shape[3]
+    for it in prange(ntot):
+        for t in range(T):
+            if it < na:
+                _tile_q4_1tok(qa, da, it, nblk, R, X[t], XF[t], oa[t, it * R:it * R + R])
+            elif it < na + nb_:
+                k = it - na
+                _tile_q4_1tok(qb, db, k, nblk, R, X[t], XF[t], ob[t, k * R:k * R + R])
+            else:
+                k = it - na - nb_
+                _tile_q4_1tok(qc, dc, k, nblk, R, X[t], XF[t], oc[t, k * R:k * R + R])
+
+
+# ---- prefill: dequantize the tiles once per call to float32 W^T (cols, rows), then one BLAS sgemm
+
+@njit(cache=True, nogil=True, fastmath=_FM)
+def _deq_tiles_q4_T(qt, dm, t0, t1, WT):
+    _, nb, _, R = qt.shape
+    for tile in range(t0, t1):
+        r0 = (tile - t0) * R
+        for b in range(nb):
+            for j in range(16):
+                lo = WT[32 * b + j]
+                hi = WT[32 * b + j + 16]
+                for i in range(R):
+                    d = _h2f_fin(dm[tile, b, 0, i])
+                    m = _h2f_fin(dm[tile, b, 1, i])
+                    v = np.int32(qt[tile, b, j, i])
+                    lo[r0 + i] = d * np.float32(v & 15) + m
+                    hi[r0 + i] = d * np.float32(v >> 4) + m
+
+
+@njit(cache=True, nogil=True, fastmath=_FM)
+def _deq_tiles_q8_T(qt, dt, t0, t1, WT):
+    _, nb, _, R = qt.shape
+    for tile in range(t0, t1):
+        r0 = (tile - t0) * R
+        for b in range(nb):
+            for j in range(32):
+                row = WT[32 * b + j]
+                for i in range(R):
+                    row[r0 + i] = _h2f_fin(dt[tile, b, i]) * np.float32(qt[tile, b, j, i])
+
+
 def _f16_bits(b2):
     """(..., 2) uint8 little-endian halves -> uint16 (...)."""
     return np.ascontiguousarray(b2).view(np.uint16)[..., 0]
@@ -638,6 +706,7 @@ class Act:
         self.cols = cols
         self.max_tokens = max_tokens
         self.T = 0
+        self._q8_ok = False
         nb = cols // 32 if cols % 32 == 0 else 0
         self.x = np.zeros((max_tokens, cols), np.float32)
         self.xq = np.zeros((max_tokens, nb * 32), np.int8)
@@ -657,8 +726,22 @@ class Act:
             raise ValueError(f"Act.set: T={T} outside 1..{self.max_tokens}")
         if x.dtype != np.float32:
             raise ValueError(f"Act.set: x must be float32, got {x.dtype}")
-        _act_set(x, T, self.x, self.xq, self.xd, self.xs, self.xf)
+        _act_set_f(x, T, self.x, self.xf)
         self.T = T
+        self._q8_ok = False
+
+    def mark(self, T: int) -> None:
+        """x[:T] and xf[:T] were written directly (the fused producers in kernels.ops)."""
+        if T < 1 or T > self.max_tokens:
+            raise ValueError(f"Act.mark: T={T} outside 1..{self.max_tokens}")
+        self.T = int(T)
+        self._q8_ok = False
+
+    def _need_q8(self) -> None:
+        """The q8 blocks (only the generic integer-dot kernels read them): computed on first use."""
+        if not self._q8_ok:
+            _act_set(self.x, self.T, self.x, self.xq, self.xd, self.xs, self.xf)
+            self._q8_ok = True
 
 
 def _check_out(w: Weight, T: int, out: np.ndarray) -> None:
@@ -683,12 +766,132 @@ def matmul(w: Weight, act: Act, out: np.ndarray) -> None:
         _mm_bf16(w.fw, T, act.x, out)
     elif _EXACT:
         _mm_exact(gt, w.raw, T, act.x, act._scratch, out)
+    elif T >= _BLAS_MIN_T and w.kind != _KIND_RAW:
+        _matmul_blas(w, T, act.x, out)
     elif w.kind == _KIND_TILE_Q4:
         _mm_tile_q4(w.qt, w.sc, w.rows, T, act.x, act.xf, act._tail, out)
     elif w.kind == _KIND_TILE_Q8:
         _mm_tile_q8(w.qt, w.sc, w.rows, T, act.x, act._tail, out)
     else:
+        act._need_q8()
         _mm_q8_generic(gt, w.raw, T, act.xq, act.xd, act.xs, out)
+
+
+_BLAS_MIN_T = 16            # tile weights with at least this many tokens: dequantize + sgemm
+_BLAS_CHUNK = 1 << 20       # floats of dequantized W^T per sgemm call per thread (4 MB: stays in L2/L3)
+
+
+def _blas_local_threads():
+    """OpenBLAS's per-calling-thread thread count setter (0.3.27+), or None."""
+    import ctypes
+    import glob
+    import os
+    d = os.path.join(os.path.dirname(np.__file__), "..", "numpy.libs")
+    for path in glob.glob(os.path.join(d, "*openblas*")):
+        try:
+            f = ctypes.CDLL(path).openblas_set_num_threads_local
+        except (OSError, AttributeError):
+            continue
+        f.argtypes, f.restype = [ctypes.c_int], ctypes.c_int
+        return f
+    return None
+
+
+class _BlasPool:
+    """Runs the row-parts of a prefill matmul on numba.get_num_threads() Python threads (the main
+    one included); each part dequantizes its row tiles to a private float32 W^T and calls a
+    single-threaded sgemm (numpy releases the GIL), so no OpenMP or OpenBLAS thread pool spins
+    against another."""
+
+    def __init__(self):
+        self.pool = None
+        self.n = 0
+        self.set_local = _blas_local_threads()
+        self.bufs = {}
+
+    def buf(self, i, size):
+        b = self.bufs.get(i)
+        if b is None or b.size < size:
+            b = self.bufs[i] = np.zeros(size, np.float32)
+        return b
+
+    def run(self, fns):
+        if len(fns) == 1:
+            return self._call(fns[0])
+        if self.pool is None or self.n < len(fns) - 1:
+            from concurrent.futures import ThreadPoolExecutor
+            self.n = len(fns) - 1
+            self.pool = ThreadPoolExecutor(self.n, initializer=self._init)
+        futs = [self.pool.submit(f) for f in fns[1:]]
+        self._call(fns[0])
+        for f in futs:
+            f.result()
+
+    def _init(self):
+        if self.set_local is not None:
+            self.set_local(1)
+
+    def _call(self, f):
+        if self.set_local is None:
+            return f()
+        old = self.set_local(1)
+        try:
+            return f()
+        finally:
+            self.set_local(old)
+
+
+_blas = _BlasPool()
+
+
+def _matmul_blas(w: Weight, T: int, X: np.ndarray, out: np.ndarray) -> None:
+    """out[:T] = X[:T] @ W.T through float32 copies of W^T, by row tiles (tile kernels only)."""
+    nt, R = w.qt.shape[0], w.qt.shape[3]
+    cols = w.cols
+    nth = max(1, min(numba.get_num_threads(), nt))
+    per = max(1, min(-(-nt // nth), _BLAS_CHUNK // (cols * R)))
+    x = X[:T]
+    q4 = w.kind == _KIND_TILE_Q4
+
+    def part(i, t_lo, t_hi):
+        def f():
+            buf = _blas.buf(i, cols * per * R)
+            for t0 in range(t_lo, t_hi, per):
+                t1 = min(t_hi, t0 + per)
+                r0, n = t0 * R, (t1 - t0) * R
+                WT = buf[:cols * n].reshape(cols, n)
+                if q4:
+                    _deq_tiles_q4_T(w.qt, w.sc, t0, t1, WT)
+                else:
+                    _deq_tiles_q8_T(w.qt, w.sc, t0, t1, WT)
+                m = min(n, w.rows - r0)
+                out[:T, r0:r0 + m] = np.matmul(x, WT)[:, :m]
+        return f
+    bounds = [nt * i // nth for i in range(nth + 1)]
+    _blas.run([part(i, bounds[i], bounds[i + 1]) for i in range(nth)])
+
+
+def matmul_fused(ws, act: Act, outs) -> None:
+    """matmul(ws[i], act, outs[i]) for 2 or 3 weights sharing act, in one parallel region when they
+    are all full-tile Q4 tile weights and act.T is small (decode); otherwise one call each."""
+    T = act.T
+    if (not _EXACT and T < _BLAS_MIN_T and 2 <= len(ws) <= 3
+            and all(w.kind == _KIND_TILE_Q4 and w.cols == act.cols and w.rows % w.qt.shape[3] == 0 for w in ws)):
+        for w, o in zip(ws, outs):
+            _check_out(w, T, o)
+        a, b = ws[0], ws[1]
+        oa, ob = outs[0], outs[1]
+        if len(ws) == 3:
+            c, oc = ws[2], outs[2]
+        else:
+            c, oc = ws[1], outs[1]
+            c_qt = c.qt[:0]
+            _mm_tile_q4_3(a.qt, a.sc, oa, b.qt, b.sc, ob, c_qt, c.sc[:0], oc, T, act.x, act.xf)
+            return
+        _mm_tile_q4_3(a.qt, a.sc, oa, b.qt, b.sc, ob, c.qt, c.sc, oc, T, act.x, act.xf)
+        return
+    for w, o in zip(ws, outs):
+        matmul(w, act, o)
 
 
 def get_rows(w: Weight, ids: np.ndarray, out: np.ndarray) -> None:

@@ -1,6 +1,6 @@
 """Small elementwise / row kernels of the decoder (CPU). Shapes in comments: T tokens, D width."""
 import numpy as np
-from numba import njit, prange
+from numba import njit
 
 
 @njit(cache=True, nogil=True, fastmath=True, error_model="numpy")
@@ -89,3 +89,61 @@ def fwht_heads(x, sign, inverse):
             _butterfly(v)
             for i in range(HD):
                 v[i] *= norm * sign[i] if inverse else norm
+
+
+# ---- fused producers of a matmul activation (decode is launch / dispatch bound: one call each
+# instead of two or three).  X (>=T, D) and XF (>=T, D // 32) are a matmul Act's float rows and block
+# sums (Act.x, Act.xf; call Act.mark(T) afterwards).
+
+@njit(cache=True, nogil=True, fastmath=True, inline="always")
+def _block_sums(X, XF, t):
+    for b in range(XF.shape[1]):
+        s = np.float32(0.0)
+        for j in range(32):
+            s += X[t, 32 * b + j]
+        XF[t, b] = s
+
+
+@njit(cache=True, nogil=True, fastmath=True, error_model="numpy")
+def rmsnorm_act(x, w, eps, X, XF):
+    # X[:T] = rmsnorm(x) * w (same arithmetic as rmsnorm), XF its block sums
+    T, D = x.shape
+    for t in range(T):
+        ss = 0.0
+        for i in range(D):
+            ss += x[t, i] * x[t, i]
+        r = 1.0 / np.sqrt(ss / D + eps)
+        for i in range(D):
+            X[t, i] = x[t, i] * r * w[i]
+        _block_sums(X, XF, t)
+
+
+@njit(cache=True, nogil=True, fastmath=True, error_model="numpy")
+def add_rmsnorm_act(x, y, w, eps, X, XF):
+    # x += y; X[:T] = rmsnorm(x) * w, XF its block sums
+    T, D = x.shape
+    for t in range(T):
+        for i in range(D):
+            x[t, i] += y[t, i]
+    rmsnorm_act(x, w, eps, X, XF)
+
+
+@njit(cache=True, nogil=True, fastmath=True)
+def swiglu_act(g, u, X, XF):
+    # X[:T] = silu(g) * u, XF its block sums
+    T, F = g.shape
+    for t in range(T):
+        for i in range(F):
+            a = g[t, i]
+            X[t, i] = a / (1.0 + np.exp(-a)) * u[t, i]
+        _block_sums(X, XF, t)
+
+
+@njit(cache=True, nogil=True)
+def copy_act(x, X, XF):
+    # X[:T] = x, XF its block sums
+    T, D = x.shape
+    for t in range(T):
+        for i in range(D):
+            X[t, i] = x[t, i]
+        _block_sums(X, XF, t)

@@ -1,0 +1,62 @@
+"""Perplexity, KL divergence and top-1 agreement against the f16 cache for every KV type, on the
+reference text at ctx 1024 (SmolLM2 by default), as the README's markdown table.
+
+    python tools/kv_table.py [--model PATH] [--ctx 1024] [--types q8_0,q4_0] [--json]
+"""
+import argparse
+import json
+import sys
+
+import numpy as np
+
+import pykv
+from pykv.formats import KV_FORMATS
+
+LLAMACPP = {  # llama.cpp (llama-cpp-python 0.3.36) on the same text, from ../shared/reference
+    "f16": 19.345, "q8_0": 19.316, "q4_0": 20.553, "q4_1": 20.479, "q5_0": 20.081, "iq4_nl": 19.705}
+
+
+def log_softmax(lg):
+    x = lg.astype(np.float64)
+    x -= x.max(1, keepdims=True)
+    return x - np.log(np.exp(x).sum(1, keepdims=True))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--text", default="tests/data/eval-gpl3.txt")
+    ap.add_argument("--ctx", type=int, default=1024)
+    ap.add_argument("--types", default=",".join(KV_FORMATS))
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args()
+    base_m = pykv.load(a.model, n_ctx=a.ctx)
+    ids = np.asarray(base_m.tokenize(open(a.text, encoding="utf-8").read())[:a.ctx])
+    n = len(ids) - 1
+    lb = log_softmax(base_m.forward(ids)[:-1])
+    base_ppl = float(np.exp(-lb[np.arange(n), ids[1:]].mean()))
+    rows = []
+    for t in a.types.split(","):
+        m = pykv.load(a.model, n_ctx=a.ctx, kv_type_k=t, kv_type_v=t)
+        lp = log_softmax(m.forward(ids)[:-1])
+        ppl = float(np.exp(-lp[np.arange(n), ids[1:]].mean()))
+        rows.append({"kv_type": t, "ppl": ppl, "delta": ppl / base_ppl - 1,
+                     "kl": float((np.exp(lb) * (lb - lp)).sum(1).mean()),
+                     "top1": float((lb.argmax(1) == lp.argmax(1)).mean()), "rotate": m.rotate,
+                     "bytes_per_token": m.kv_bytes_per_token()})
+        print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    if a.json:
+        print(json.dumps({"base_ppl": base_ppl, "rows": rows}))
+        return
+    lf = LLAMACPP["f16"]
+    print(f"f16-cache perplexity {base_ppl:.4f} over {n} tokens (ctx {a.ctx})\n")
+    print("| KV type | bytes/token | rotation | ppl | Δ ppl vs f16 | KL vs f16 | top-1 agree | llama.cpp Δ ppl |")
+    print("|---|---:|:-:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        ll = f"{100 * (LLAMACPP[r['kv_type']] / lf - 1):+.2f}%" if r["kv_type"] in LLAMACPP else "—"
+        print(f"| {r['kv_type']} | {r['bytes_per_token']:,.0f} | {'on' if r['rotate'] else 'off'} | {r['ppl']:.4f} | "
+              f"{100 * r['delta']:+.2f}% | {r['kl']:.5f} | {100 * r['top1']:.2f}% | {ll} |")
+
+
+if __name__ == "__main__":
+    main()
