@@ -18,7 +18,7 @@ def _model_args(p: argparse.ArgumentParser, with_prompt: bool = False) -> None:
     p.add_argument("-ctk", "--cache-type-k", default="f16", help=KV_HELP + " (comma list = per layer)")
     p.add_argument("-ctv", "--cache-type-v", default="f16", help=KV_HELP + " (comma list = per layer)")
     p.add_argument("--kv-rotate", choices=["on", "off", "auto"], default="auto",
-                   help="Hadamard rotation of K/V before quantization (auto: on for 4-bit and lower types)")
+                   help="Hadamard rotation of K/V before quantization (auto: on for quantized types)")
     p.add_argument("--kv-budget", default=None, help="cap the KV pool, e.g. 64MiB")
     p.add_argument("-t", "--threads", type=int, default=None, help="threads (default: all cores)")
 

@@ -94,6 +94,7 @@ def cmd_perplexity(args) -> int:
 def plan_rows(path, memory: int, page_tokens: int = 32) -> tuple[dict, list[dict]]:
     from .formats import KV_FORMATS, bytes_per_token
     from .gguf_io import open_model
+    from .kv_cache import seq_overhead_bytes
     gf, cfg = open_model(path)
     weights = sum(t.data.nbytes for t in gf.tensors.values())
     free = memory - weights
@@ -105,10 +106,11 @@ def plan_rows(path, memory: int, page_tokens: int = 32) -> tuple[dict, list[dict
         if cfg.head_dim % fmt.block_size:
             continue
         bpt = bytes_per_token(fmt, fmt, cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, page_tokens)
-        max_ctx = int(max(free, 0) // bpt)
+        fixed = seq_overhead_bytes(cfg, fmt, fmt, page_tokens)
         rows.append({"kv_type": name, "bits_per_value": 8 * bpt / (2 * cfg.n_layers * cfg.kv_dim),
-                     "bytes_per_token": bpt, "max_context": max_ctx,
-                     "full_context_seqs": max_ctx // cfg.n_ctx_train})
+                     "bytes_per_token": bpt, "seq_fixed_bytes": fixed,
+                     "max_context": int(max(free - fixed, 0) // bpt),
+                     "full_context_seqs": int(max(free, 0) // (cfg.n_ctx_train * bpt + fixed))})
     return info, rows
 
 
@@ -130,11 +132,12 @@ def cmd_plan(args) -> int:
           f"x head_dim {info['head_dim']}; trained context {info['n_ctx_train']}")
     if info["kv_memory"] <= 0:
         print("the weights alone do not fit in this memory", file=sys.stderr)
-    print("| KV type | bits/value | bytes/token | max context (1 seq) | seqs at full context |")
-    print("|---|---:|---:|---:|---:|")
+    print("| KV type | bits/value | bytes/token | fixed f16 bytes/seq | max context (1 seq) | "
+          f"seqs of {info['n_ctx_train']} tokens |")
+    print("|---|---:|---:|---:|---:|---:|")
     for r in rows:
         print(f"| {r['kv_type']} | {r['bits_per_value']:.2f} | {r['bytes_per_token']:,.0f} | "
-              f"{r['max_context']:,} | {r['full_context_seqs']:,} |")
+              f"{r['seq_fixed_bytes']:,} | {r['max_context']:,} | {r['full_context_seqs']:,} |")
     return 0
 
 

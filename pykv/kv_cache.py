@@ -72,6 +72,19 @@ def flush_residual(res, r0, pool, page, P, rcode, code, kbits, tmp):
                 quantize_row(code, tmp[g, s], pool[page, g, s * rb:(s + 1) * rb])
 
 
+def seq_overhead_bytes(cfg: Config, k_fmt, v_fmt, page_tokens: int = 32) -> int:
+    """Fixed f16 bytes a sequence holds beside its pages: sink rows for quantized types, and KIVI's
+    recent-page ring (all layers, K + V)."""
+    row = 2 * cfg.head_dim * cfg.n_kv_heads * cfg.n_layers          # one f16 token row, all layers
+    total = 0
+    for f in (k_fmt, v_fmt):
+        if f.kind != "float":
+            total += N_SINK * row
+        if f.kind == "kivi":
+            total += (KIVI_WINDOW + 1) * page_tokens * row
+    return total
+
+
 @dataclass
 class LayerKV:
     k_fmt: object

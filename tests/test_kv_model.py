@@ -93,3 +93,21 @@ def test_smollm2_kv_perplexity_budget(smollm2_path, ref):
     print({k: f"{100 * v:+.2f}%" for k, v in got.items()})
     for kv, lim in limits.items():
         assert got[kv] <= lim, (kv, got[kv])
+
+
+def test_plan_json_for_smollm2(smollm2_path):
+    r = subprocess.run([sys.executable, "-m", "pykv", "plan", smollm2_path, "--memory", "8GiB", "--json"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    res = json.loads(r.stdout)
+    rows = {row["kv_type"]: row for row in res["rows"]}
+    assert set(rows) >= {"f16", "q8_0", "q4_0", "int4", "int2", "fp8_e4m3", "iq4_nl"}
+    assert (rows["f16"]["bytes_per_token"], rows["q8_0"]["bytes_per_token"], rows["q4_0"]["bytes_per_token"]) \
+        == (23040, 12240, 6480)
+    free = 8 * 2**30 - res["weights_bytes"]
+    for row in rows.values():
+        assert row["max_context"] == (free - row["seq_fixed_bytes"]) // row["bytes_per_token"]
+        assert row["full_context_seqs"] == free // (8192 * row["bytes_per_token"] + row["seq_fixed_bytes"])
+    # a real cache of that type costs what plan says
+    m = pykv.load(smollm2_path, n_ctx=64, kv_type_k="int4", kv_type_v="q4_0")
+    assert m.kv_bytes_per_token() == (rows["int4"]["bytes_per_token"] + rows["q4_0"]["bytes_per_token"]) / 2

@@ -214,3 +214,26 @@ def test_large_activations_stay_finite(gt):
     ref = x.astype(np.float64) @ quants.dequantize(q, gt).astype(np.float64).T
     assert np.isfinite(out).all()
     assert np.abs(out - ref).max() <= 1e-5 * np.abs(ref).max()
+
+
+@pytest.mark.parametrize("T", [1, 3, 16, 40])
+def test_tile_paths_exact_and_fused(T, threads):
+    """The tile kernels (decode), the dequantize + sgemm prefill path (T >= 16) and matmul_fused
+    (Q/K/V and gate/up in one parallel region) all equal float64 on the dequantized weights,
+    partial row tiles included."""
+    rng = np.random.default_rng(100 + T)
+    cols = 256
+    ws, refs, outs = [], [], []
+    for t, rows in ((GT.Q4_1, 128), (GT.Q4_0, 64), (GT.Q4_1, 192), (GT.Q8_0, 200)):
+        data, ref_w = make_weight(t, rows, cols, rng)
+        ws.append(M.prepare_weight(int(t), data, rows, cols))
+        refs.append(ref_w)
+        outs.append(np.zeros((T, rows), np.float32))
+    x = rng.standard_normal((T, cols)).astype(np.float32)
+    act = M.Act(cols, 64)
+    act.set(x)
+    M.matmul_fused(ws[:3], act, outs[:3])       # three full-tile Q4 weights: one region
+    M.matmul_fused(ws[2:], act, outs[2:])       # mixed kinds: falls back to one call each
+    for w, ref_w, out in zip(ws, refs, outs):
+        ref = x.astype(np.float64) @ ref_w.T
+        assert np.abs(out - ref).max() <= 1e-5 * np.abs(ref).max(), (w, T)

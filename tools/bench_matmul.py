@@ -1,6 +1,7 @@
 """Benchmark pykv.kernels.matmul on the real model's shapes.
 
     python tools/bench_matmul.py [--model PATH] [--threads 1,2] [--reps N] [--prefill 512]
+                                 [--blas-min-t 16]   (a huge value: prefill through the tile kernels)
 
 Prints, per weight type and thread count, decode matvec GB/s of weight bytes (median over reps of a
 pass over every layer matrix of that type, like one token does), and for T=prefill tokens the
@@ -77,8 +78,11 @@ def main():
     ap.add_argument("--prefill", type=int, default=512)
     ap.add_argument("--types", default="Q4_1,Q8_0,Q4_0,Q5_0,Q5_1,Q4_K,Q5_K,Q6_K,F16,BF16,F32")
     ap.add_argument("--exact", action="store_true", help="benchmark the float-activation mode")
+    ap.add_argument("--blas-min-t", type=int, default=M._BLAS_MIN_T,
+                    help="tile weights with T >= this use dequantize + sgemm (a huge value: tile kernels only)")
     a = ap.parse_args()
     M.set_exact(a.exact)
+    M._BLAS_MIN_T = a.blas_min_t
     rng = np.random.default_rng(0)
     model = load(a.model)
     layer = [(n, w) for n, w in model if n.startswith("blk.")]

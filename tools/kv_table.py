@@ -1,7 +1,7 @@
 """Perplexity, KL divergence and top-1 agreement against the f16 cache for every KV type, on the
 reference text at ctx 1024 (SmolLM2 by default), as the README's markdown table.
 
-    python tools/kv_table.py [--model PATH] [--ctx 1024] [--types q8_0,q4_0] [--json]
+    python tools/kv_table.py [--model PATH] [--ctx 1024] [--types q8_0,q4_0] [--rotate flip] [--json]
 """
 import argparse
 import json
@@ -28,6 +28,8 @@ def main():
     ap.add_argument("--text", default="tests/data/eval-gpl3.txt")
     ap.add_argument("--ctx", type=int, default=1024)
     ap.add_argument("--types", default=",".join(KV_FORMATS))
+    ap.add_argument("--rotate", choices=["auto", "flip"], default="auto",
+                    help="flip: each type with the opposite of its default rotation (to check the default)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     base_m = pykv.load(a.model, n_ctx=a.ctx)
@@ -38,6 +40,8 @@ def main():
     rows = []
     for t in a.types.split(","):
         m = pykv.load(a.model, n_ctx=a.ctx, kv_type_k=t, kv_type_v=t)
+        if a.rotate == "flip":
+            m = pykv.load(a.model, n_ctx=a.ctx, kv_type_k=t, kv_type_v=t, kv_rotate=not m.rotate)
         lp = log_softmax(m.forward(ids)[:-1])
         ppl = float(np.exp(-lp[np.arange(n), ids[1:]].mean()))
         rows.append({"kv_type": t, "ppl": ppl, "delta": ppl / base_ppl - 1,

@@ -276,6 +276,52 @@ def _scores(qx, kt, n, sx):
 
 
 @njit(cache=True, fastmath=_FM, inline="always")
+def _scores3(q0, q1, q2, kt, n, s0, s1, s2):
+    """_scores for three query rows at once: each K row is loaded once for the three (two keys x
+    three rows = six independent reductions per pass)."""
+    HD = q0.shape[0]
+    r = 0
+    while r + 2 <= n:
+        k0 = kt[r]
+        k1 = kt[r + 1]
+        a00 = np.float32(0.0)
+        a01 = np.float32(0.0)
+        a10 = np.float32(0.0)
+        a11 = np.float32(0.0)
+        a20 = np.float32(0.0)
+        a21 = np.float32(0.0)
+        for i in range(HD):
+            u = k0[i]
+            w = k1[i]
+            a00 += q0[i] * u
+            a01 += q0[i] * w
+            a10 += q1[i] * u
+            a11 += q1[i] * w
+            a20 += q2[i] * u
+            a21 += q2[i] * w
+        s0[r] = a00
+        s0[r + 1] = a01
+        s1[r] = a10
+        s1[r + 1] = a11
+        s2[r] = a20
+        s2[r + 1] = a21
+        r += 2
+    while r < n:
+        k0 = kt[r]
+        a0 = np.float32(0.0)
+        a1 = np.float32(0.0)
+        a2 = np.float32(0.0)
+        for i in range(HD):
+            a0 += q0[i] * k0[i]
+            a1 += q1[i] * k0[i]
+            a2 += q2[i] * k0[i]
+        s0[r] = a0
+        s1[r] = a1
+        s2[r] = a2
+        r += 1
+
+
+@njit(cache=True, fastmath=_FM, inline="always")
 def _accum(px, vt, n, ax):
     """ax += sum_r px[r] * vt[r] for r < n: eight keys per pass over ax (one load/store of ax)."""
     HD = ax.shape[0]
@@ -368,12 +414,18 @@ def _item(q, kpool, vpool, kres, vres, ksink, vsink, page_table, n_past, ns_k, n
             _deq_kivi_k_tile(kbits, kpool[page, g], sp, n, kt, dk, mk)
         else:
             _deq_tile(kcode, kpool[page, g], sp * rbk, rbk, n, kt)
-        # ---- scores + online softmax per query row
+        # ---- scores (three query rows per pass over the K tile where all three see the whole
+        # tile: every decode row), then online softmax per query row
+        x3 = 0
+        while x3 + 3 <= R and min(lim[x3], lim[x3 + 1], lim[x3 + 2]) - j >= n:
+            _scores3(qb[x3], qb[x3 + 1], qb[x3 + 2], kt, n, s[x3], s[x3 + 1], s[x3 + 2])
+            x3 += 3
         for x in range(R):
             nv = min(n, lim[x] - j)                  # causal: keys this row may see in the tile
             if nv <= 0:
                 continue
-            _scores(qb[x], kt, nv, s[x])
+            if x >= x3:
+                _scores(qb[x], kt, nv, s[x])
             mx = mrow[x]
             for r in range(nv):
                 mx = max(mx, s[x, r])

@@ -5,6 +5,7 @@ Public API (used by the model code):
     prepare_weight(ggml_type, data, rows, cols) -> Weight      # once, at load
     Act(cols, max_tokens); act.set(x)                           # x float32 (T, cols)
     matmul(w, act, out)                                         # out[:T] = x @ W.T  (out float32 (>=T, rows))
+    matmul_fused((wq, wk, wv), act, (q, k, v))                  # 2-3 weights, one parallel region (decode)
     get_rows(w, ids, out)                                       # out[i] = dequantize(W[ids[i]])
     set_exact(flag)                                             # True: float activations (checking)
 
@@ -26,6 +27,12 @@ Quantized-activation ("q8") mode: activations are quantized once per Act.set int
 32-blocks serve every weight type (K-quants included: their sub-blocks are 32 or 16 elements, so a
 32-block activation scale is at least as fine as llama.cpp's q8_K), so one quantization per Act serves
 Q, K, V (or gate, up) whatever their types. Float weight types (F32/F16/BF16) always use float x.
+The q8 blocks are computed lazily (only the generic kernels read them); the tile kernels read x and
+its float block sums, which the fused producers in kernels.ops write directly (then Act.mark(T)).
+
+Prefill (T >= _BLAS_MIN_T) with tile weights: each of numba.get_num_threads() Python threads
+dequantizes its share of the row tiles to a float32 W^T chunk and calls a single-threaded sgemm
+(measured 2.3x the tile kernels at T=128 on one thread).
 """
 from __future__ import annotations
 
