@@ -131,10 +131,10 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print("pykv: interrupted", file=sys.stderr)
         return 130
-    except BrokenPipeError:
+    except BrokenPipeError:   # stdout closed early (e.g. `| head`): exit quietly, as llama.cpp does
         try:
-            sys.stdout = open(os.devnull, "w")
-        except OSError:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError):
             pass
         return 0
     except Exception as e:   # other known one-line failures (convert tool, OS errors)

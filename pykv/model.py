@@ -94,7 +94,6 @@ class RunState:
         self.o = np.zeros((B, D), f)            # projection output added to x
         self.g = np.zeros((B, FF), f)
         self.u = np.zeros((B, FF), f)
-        self.ff = np.zeros((B, FF), f)
         self.logits = np.zeros((B, cfg.n_vocab), f)
         self.act_d = mm.Act(D, B)               # quantized activations, reused by Q/K/V, gate/up, head
         self.act_ff = mm.Act(FF, B)

@@ -34,16 +34,6 @@ def rope(x, pos0, cos, sin, n_rot):
 
 
 @njit(cache=True, nogil=True, fastmath=True)
-def swiglu(g, u, out):
-    # g, u (T, FF) -> out = silu(g) * u
-    T, F = g.shape
-    for t in range(T):
-        for i in range(F):
-            a = g[t, i]
-            out[t, i] = a / (1.0 + np.exp(-a)) * u[t, i]
-
-
-@njit(cache=True, nogil=True, fastmath=True)
 def add_inplace(x, y):
     # x (T, D) += y (T, D)
     T, D = x.shape
@@ -106,15 +96,10 @@ def _block_sums(X, XF, t):
 
 @njit(cache=True, nogil=True, fastmath=True, error_model="numpy")
 def rmsnorm_act(x, w, eps, X, XF):
-    # X[:T] = rmsnorm(x) * w (same arithmetic as rmsnorm), XF its block sums
-    T, D = x.shape
+    # X[:T] = rmsnorm(x) * w, XF its block sums
+    T = x.shape[0]
+    rmsnorm(x, w, eps, X[:T])
     for t in range(T):
-        ss = 0.0
-        for i in range(D):
-            ss += x[t, i] * x[t, i]
-        r = 1.0 / np.sqrt(ss / D + eps)
-        for i in range(D):
-            X[t, i] = x[t, i] * r * w[i]
         _block_sums(X, XF, t)
 
 
