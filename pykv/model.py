@@ -182,11 +182,7 @@ class Model:
         q3 *= np.float32(1.0 / np.sqrt(HD))
         cache.append(li, seq, k3, v3)
         n_tot = n_past + T
-        if T == 1:   # decode: split the keys in chunks so every thread works on one long sequence
-            want = max(1, (4 * numba.get_num_threads()) // KVH)
-            chunk = cache.P * max(1, -(-n_tot // (cache.P * want)))
-        else:
-            chunk = cache.P * -(-n_tot // cache.P)
+        chunk = cache.chunk_for(n_tot, T, numba.get_num_threads())
         C = -(-n_tot // chunk)
         part = st.part[:T * KVH * C * (H // KVH) * (HD + 2)].reshape(T, KVH, C, H // KVH, HD + 2)
         att3 = st.att[:T].reshape(T, H, HD)

@@ -24,12 +24,6 @@ def smol_config(n_layers=1):
                   rope_base=10000.0, rope_dims=64, norm_eps=1e-5, n_ctx_train=8192, n_vocab=49152)
 
 
-def decode_chunk(n_tot, P, KVH):
-    """The chunk model.py's _layer uses for T == 1."""
-    want = max(1, (4 * numba.get_num_threads()) // KVH)
-    return P * max(1, -(-n_tot // (P * want)))
-
-
 def build(cfg, kt, vt, depth, rng, P=32):
     cache = KVCache(cfg, depth + 1, kt, vt, page_tokens=P)
     seq = cache.new_sequence()
@@ -49,10 +43,10 @@ def build(cfg, kt, vt, depth, rng, P=32):
 def bench_one(cache, seq, cfg, reps, rng):
     """(median wall, min wall, median CPU) ms per layer call over `reps` passes over every layer.
     CPU time (all threads) is the steadier number on a shared machine."""
-    H, KVH, HD, P = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cache.P
+    H, KVH, HD = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     n_tot = seq.n_tokens
     n_past = n_tot - 1
-    chunk = decode_chunk(n_tot, P, KVH)
+    chunk = cache.chunk_for(n_tot, 1, numba.get_num_threads())
     C = -(-n_tot // chunk)
     part = np.zeros((1, KVH, C, H // KVH, HD + 2), np.float32)
     q = (rng.standard_normal((1, H, HD)) / 8).astype(np.float32)
