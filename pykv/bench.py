@@ -34,40 +34,36 @@ FLOAT_V = ("f32", "f16", "bf16")   # llama.cpp V-cache types that work without f
 
 
 # ---- argument parsing --------------------------------------------------------------------------------
-def _int_list(s, what: str, minimum: int = 0) -> list[int]:
+def _csv_list(s, what: str, parse) -> list:
+    """A comma list (or a list / an int) -> distinct parsed items in order; parse raises PykvError."""
     items = [s] if isinstance(s, int) else (str(s).split(",") if isinstance(s, str) else list(s))
-    out = []
-    for part in items:
-        part = str(part).strip()
-        if not part:
-            continue
-        try:
-            v = int(part)
-        except (TypeError, ValueError):
-            raise PykvError(f"{what}: expected a comma list of integers, got {s!r}") from None
-        if v < minimum:
-            raise PykvError(f"{what}: values must be >= {minimum}, got {v}")
-        out.append(v)
+    out = [parse(str(p).strip()) for p in items if str(p).strip()]
     if not out:
         raise PykvError(f"{what}: empty list")
     return list(dict.fromkeys(out))
+
+
+def _int_list(s, what: str, minimum: int = 0) -> list[int]:
+    def parse(part):
+        try:
+            v = int(part)
+        except ValueError:
+            raise PykvError(f"{what}: expected a comma list of integers, got {s!r}") from None
+        if v < minimum:
+            raise PykvError(f"{what}: values must be >= {minimum}, got {v}")
+        return v
+    return _csv_list(s, what, parse)
 
 
 def _kv_list(s, what: str) -> list[str]:
     from .formats import parse_kv_type
-    items = s.split(",") if isinstance(s, str) else list(s)
-    out = []
-    for part in items:
-        part = str(part).strip()
-        if not part:
-            continue
+
+    def parse(part):
         try:
-            out.append(parse_kv_type(part).name)
+            return parse_kv_type(part).name
         except ValueError as e:
             raise PykvError(f"{what}: {e}") from None
-    if not out:
-        raise PykvError(f"{what}: empty list")
-    return list(dict.fromkeys(out))
+    return _csv_list(s, what, parse)
 
 
 def _rotate_flag(v):
@@ -302,7 +298,7 @@ def run_bench(model=None, *, n_prompt="512", n_gen="128", depth="0", ctk="f16", 
         raise PykvError(f"-fa: expected on, off or auto, got {flash_attn!r}")
     if compare_llamacpp:
         try:
-            import llama_cpp  # noqa: F401
+            import llama_cpp  # noqa: F401  # noqa: F401  (availability check)
         except ImportError:
             raise PykvError("--compare-llamacpp needs llama-cpp-python: pip install 'pykv[compare]'") from None
     if progress is None:

@@ -64,7 +64,7 @@ def _ppl_top1(logits, ids):
     return float(np.exp(-lp.mean())), logits[:-1].argmax(1)
 
 
-@pytest.mark.parametrize("exact", [False, True], ids=["q8-activations", "float-activations"])
+@pytest.mark.parametrize("exact", [False, True], ids=["default-kernels", "float-activations"])
 def test_smollm2_perplexity_and_top1_vs_hf(smollm2, ref, exact):
     ids = ref["text_ids"][:1024]
     mm.set_exact(exact)
