@@ -298,7 +298,7 @@ def run_bench(model=None, *, n_prompt="512", n_gen="128", depth="0", ctk="f16", 
         raise PykvError(f"-fa: expected on, off or auto, got {flash_attn!r}")
     if compare_llamacpp:
         try:
-            import llama_cpp  # noqa: F401  # noqa: F401  (availability check)
+            import llama_cpp  # noqa: F401  (availability check)
         except ImportError:
             raise PykvError("--compare-llamacpp needs llama-cpp-python: pip install 'pykv[compare]'") from None
     if progress is None:
