@@ -1,6 +1,6 @@
 """The paged, block-quantized KV cache.
 
-Per layer, K and V each own a pool  uint8[n_pages, KVH, page_bytes]:
+Per layer, K and V each own a pool  uint8[KVH, n_pages, page_bytes]:
     block formats (ggml, fp8, f16/f32, KIVI values): page_bytes = P * row_bytes, token-major, so token
     slot s of a page is bytes [s*row_bytes, (s+1)*row_bytes) of each KV head: HD/QK blocks of one token;
     KIVI keys: one page quantized per channel across its P tokens (formats.kivi_page_bytes).
@@ -36,7 +36,7 @@ def kivi_bits(fmt) -> int:
 
 @njit(cache=True, nogil=True)
 def append_rows(x, pool, page_table, start, P, code):
-    # x (T, KVH, HD) f32 -> quantize token start+t, head g into its slot of pool (n_pages, KVH, P*rb).
+    # x (T, KVH, HD) f32 -> quantize token start+t, head g into its slot of pool (KVH, n_pages, P*rb).
     # Serial: a decode step appends KVH rows, far too little work to wake threads for.
     T, KVH, HD = x.shape
     rb = pool.shape[2] // P
@@ -45,7 +45,7 @@ def append_rows(x, pool, page_table, start, P, code):
         g = i % KVH
         j = start + t
         o = (j % P) * rb
-        quantize_row(code, x[t, g], pool[page_table[j // P], g, o:o + rb])
+        quantize_row(code, x[t, g], pool[g, page_table[j // P], o:o + rb])
 
 
 @njit(cache=True, nogil=True)
@@ -60,17 +60,17 @@ def write_residual(x, res, start, P, rcode):
 @njit(cache=True, nogil=True, parallel=True)
 def flush_residual(res, r0, pool, page, P, rcode, code, kbits, tmp):
     # quantize the full page held in residual rows r0 .. r0+P-1 of res (KVH, RING, 2*HD) into
-    # pool[page]; tmp (KVH, P, HD) f32 scratch.
+    # pool[:, page]; tmp (KVH, P, HD) f32 scratch.
     KVH = res.shape[0]
     for g in prange(KVH):
         for s in range(P):
             dequantize_row(rcode, res[g, r0 + s], tmp[g, s])
         if kbits > 0:
-            kivi_quantize_kpage(kbits, tmp[g], pool[page, g])
+            kivi_quantize_kpage(kbits, tmp[g], pool[g, page])
         else:
             rb = pool.shape[2] // P
             for s in range(P):
-                quantize_row(code, tmp[g, s], pool[page, g, s * rb:(s + 1) * rb])
+                quantize_row(code, tmp[g, s], pool[g, page, s * rb:(s + 1) * rb])
 
 
 def seq_overhead_bytes(cfg: Config, k_fmt, v_fmt, page_tokens: int = 32) -> int:
@@ -90,8 +90,8 @@ def seq_overhead_bytes(cfg: Config, k_fmt, v_fmt, page_tokens: int = 32) -> int:
 class LayerKV:
     k_fmt: object
     v_fmt: object
-    k_pool: np.ndarray     # uint8 (n_pages, KVH, page_bytes_k)
-    v_pool: np.ndarray     # uint8 (n_pages, KVH, page_bytes_v)
+    k_pool: np.ndarray     # uint8 (KVH, n_pages, page_bytes_k): head-major, so a sequence's pages of
+    v_pool: np.ndarray     # uint8 (KVH, n_pages, page_bytes_v)  one head are one contiguous stream
 
     @property
     def k_bits(self) -> int:   # > 0: KIVI keys (per-channel pages)
@@ -148,8 +148,8 @@ class KVCache:
             n_pages = max_seqs * self.max_pages_per_seq
         self.n_pages = n_pages
         self.k_smooth = [bool(k_smooth) and f.kind in ("ggml", "fp8") for f in k_fmts]
-        self.layers = [LayerKV(kf, vf, np.zeros((n_pages, KVH, pk), np.uint8),
-                               np.zeros((n_pages, KVH, pv), np.uint8))
+        self.layers = [LayerKV(kf, vf, np.zeros((KVH, n_pages, pk), np.uint8),
+                               np.zeros((KVH, n_pages, pv), np.uint8))
                        for kf, vf, (pk, pv) in zip(k_fmts, v_fmts, self.page_bytes)]
         self.free_pages = list(range(n_pages - 1, -1, -1))
         self.ring = (KIVI_WINDOW + 1) * self.P   # residual rows per KV head: a ring of whole pages

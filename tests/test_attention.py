@@ -78,10 +78,10 @@ def dequant_cache(cache, seq, li=0):
                 elif j >= nq:
                     dequantize_row(cache.F16_CODE, res[g, j % res.shape[1]], x[j, g])
                 elif name == "k" and l.k_bits:
-                    kivi_dequant_k(l.k_bits, pool[page, g], j % P, P, x[j, g])
+                    kivi_dequant_k(l.k_bits, pool[g, page], j % P, P, x[j, g])
                 else:
                     o = (j % P) * rb
-                    dequantize_row(fmt.code, pool[page, g, o:o + rb], x[j, g])
+                    dequantize_row(fmt.code, pool[g, page, o:o + rb], x[j, g])
         assert np.isfinite(x).all()
         out.append(x.astype(np.float64))
     return out

@@ -6,11 +6,13 @@ quantizer); a brute-force nearest-value search for fp8; float64 numpy for dots a
 """
 import numpy as np
 import pytest
+from numba import njit
 from gguf import GGMLQuantizationType as T
 from gguf import quants as gq
 
 from pykv import formats as F
 from pykv.kernels import kvquant as K
+from pykv.kernels.simd import deq_q4_0, deq_q4_1, deq_q8_0
 
 GGML = ["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl"]
 ALL = list(F.KV_FORMATS)
@@ -509,3 +511,34 @@ def test_query_q8_matches_gguf_q8_0():
         assert np.array_equal(qq.view(np.uint8).reshape(-1, 32), ref[:, 2:]), label
         amax = np.abs(x.reshape(-1, 32)).max(axis=1)
         assert np.array_equal(qd, amax / np.float32(127))
+
+
+@njit(cache=False)
+def _simd_decode(code, raw, bb, out):
+    for b in range(out.size // 32):
+        if code == F.CODE_Q8_0:
+            deq_q8_0(raw, b * bb, out, 32 * b)
+        elif code == F.CODE_Q4_0:
+            deq_q4_0(raw, b * bb, out, 32 * b)
+        else:
+            deq_q4_1(raw, b * bb, out, 32 * b)
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q4_1"])
+def test_simd_block_decoders_match_gguf(fmt):
+    """The whole-block vector decoders attention uses (kernels.simd) equal gguf's dequantize bit for
+    bit, on random bytes with random finite scales (negative, tiny, subnormal ones included)."""
+    rng = np.random.default_rng(11)
+    f = F.KV_FORMATS[fmt]
+    nb = 64
+    blk = rng.integers(0, 256, (nb, f.block_bytes), dtype=np.uint8)
+    sc = np.concatenate([rng.standard_normal(nb) * 10.0 ** rng.integers(-7, 4, nb),
+                         rng.standard_normal(nb)]).astype(np.float16)
+    sc[:3] = [0.0, 6e-8, -65504.0]
+    blk[:, 0:2] = sc[:nb].view(np.uint8).reshape(nb, 2)
+    if fmt == "q4_1":
+        blk[:, 2:4] = sc[nb:].view(np.uint8).reshape(nb, 2)
+    out = np.full(nb * 32, np.nan, np.float32)
+    _simd_decode(f.code, blk.reshape(-1), f.block_bytes, out)
+    ref = gguf_dequant(fmt, blk.reshape(-1), nb * 32)
+    assert np.array_equal(out, ref)

@@ -18,8 +18,9 @@ f16 (the residual rows, f16 caches and every f16 block scale) is decoded with th
 float conversion (`fpext half`, vcvtph2ps on x86), which vectorizes; the cache itself is never
 dequantized to memory beyond one tile.
 
-Pools (one per layer, K and V):  uint8[n_pages, KVH, P * row_bytes]  (token-major rows in a page)
-    KIVI keys instead hold one per-channel-quantized page per (page, g): uint8[n_pages, KVH, page_bytes]
+Pools (one per layer, K and V):  uint8[KVH, n_pages, P * row_bytes]  (token-major rows in a page;
+    head-major pages, so one head's pages are one stream for the hardware prefetcher)
+    KIVI keys instead hold one per-channel-quantized page per (g, page): uint8[KVH, n_pages, page_bytes]
 Residual (KIVI types only): uint8[KVH, P, 2 * HD] f16 rows of the sequence's newest, not yet full page.
 """
 import numpy as np
@@ -30,8 +31,10 @@ from numba.extending import intrinsic
 from ..formats import (CODE_BF16, CODE_F16, CODE_F32, CODE_FP8_E4M3, CODE_FP8_E5M2, CODE_INT2,
                        CODE_INT4, CODE_IQ4_NL, CODE_Q4_0, CODE_Q4_1, CODE_Q5_0, CODE_Q5_1, CODE_Q8_0)
 from .kvquant import KVALUES_IQ4NL, bits_f32
+from .simd import deq_q4_0, deq_q4_1, deq_q8_0, prefetch
 
 TILE = 32          # keys per segment (the f32 K and V tiles: TILE x HD floats each)
+PF_AHEAD = 2       # segments ahead whose pool rows are prefetched
 QBLOCK = 8         # query tokens per work item in prefill
 _FM = {"reassoc", "contract", "nsz", "arcp"}   # no nnan / ninf: -inf is a real state here
 _IQ4NL_F = KVALUES_IQ4NL.astype(np.float32)
@@ -114,32 +117,18 @@ def _deq_tile(code, src, o0, rb, n, out):
             o = U(o0 + r * rb)
             for i in range(HD):
                 out[r, U(i)] = _f16(src, o + U(2 * i))
-    elif code == CODE_Q8_0:
+    elif code == CODE_Q8_0:          # whole-block vector decoders (simd.py): LLVM left these scalar
         for r in range(n):
             for b in range(nb):
-                o = U(o0 + r * rb + 34 * b)
-                d = _f16(src, o)
-                for j in range(bs):
-                    out[r, U(bs * b + j)] = d * np.float32(np.int8(src[o + U(2 + j)]))
+                deq_q8_0(src, o0 + r * rb + 34 * b, out, r * HD + 32 * b)
     elif code == CODE_Q4_0:
         for r in range(n):
             for b in range(nb):
-                o = U(o0 + r * rb + 18 * b)
-                d = _f16(src, o)
-                for j in range(hb):
-                    v = np.int32(src[o + U(2 + j)])
-                    out[r, U(bs * b + j)] = d * np.float32((v & 0xF) - 8)
-                    out[r, U(bs * b + hb + j)] = d * np.float32((v >> 4) - 8)
+                deq_q4_0(src, o0 + r * rb + 18 * b, out, r * HD + 32 * b)
     elif code == CODE_Q4_1 or code == CODE_INT4:   # same bytes: [f16 d][f16 m][16 nibble bytes]
         for r in range(n):
             for b in range(nb):
-                o = U(o0 + r * rb + 20 * b)
-                d = _f16(src, o)
-                m = _f16(src, o + U(2))
-                for j in range(hb):
-                    v = np.int32(src[o + U(4 + j)])
-                    out[r, U(bs * b + j)] = d * np.float32(v & 0xF) + m
-                    out[r, U(bs * b + hb + j)] = d * np.float32(v >> 4) + m
+                deq_q4_1(src, o0 + r * rb + 20 * b, out, r * HD + 32 * b)
     elif code == CODE_IQ4_NL:      # literal 32 measured faster here (table lookups: gathers anyway)
         for r in range(n):
             for b in range(nb):
@@ -365,7 +354,7 @@ def _item(q, kpool, vpool, kres, vres, ksink, vsink, page_table, n_past, ns_k, n
     """Keys [j0, j1) (already clipped to the causal end of query t1 - 1) for query tokens [t0, t1) and
     the G heads of KV head g; (m, l, acc) per query row -> part[t, g, c, gi]."""
     H, HD = q.shape[1], q.shape[2]
-    KVH = kpool.shape[1]
+    KVH = kpool.shape[0]
     G = H // KVH
     TB = t1 - t0
     R = TB * G
@@ -405,15 +394,28 @@ def _item(q, kpool, vpool, kres, vres, ksink, vsink, page_table, n_past, ns_k, n
             e = min(e, ns_v)
         n = e - j
         page = page_table[pg] if (j < nq_k or j < nq_v) else 0
+        f = e + TILE * (PF_AHEAD - 1)
+        if f < j1 and (f < nq_k or f < nq_v):     # a later segment's pool rows, fetched meanwhile
+            pg2 = page_table[f // P]
+            s2 = f - (f // P) * P
+            n2 = min(j1 - f, P - s2, TILE)
+            if f < nq_k and kbits == 0:
+                kp = kpool[g, pg2]
+                for o in range(s2 * rbk, (s2 + n2) * rbk, 64):
+                    prefetch(kp, o)
+            if f < nq_v:
+                vp = vpool[g, pg2]
+                for o in range(s2 * rbv, (s2 + n2) * rbv, 64):
+                    prefetch(vp, o)
         # ---- K tile
         if j < ns_k:                                 # attention-sink tokens: exact f16 copies
             _deq_tile(rcode, ksink[g].reshape(NS * rbr), j * rbr, rbr, n, kt)
         elif j >= nq_k:
             _deq_tile(rcode, kres[g].reshape(RING * rbr), (j % RING) * rbr, rbr, n, kt)
         elif kbits > 0:
-            _deq_kivi_k_tile(kbits, kpool[page, g], sp, n, kt, dk, mk)
+            _deq_kivi_k_tile(kbits, kpool[g, page], sp, n, kt, dk, mk)
         else:
-            _deq_tile(kcode, kpool[page, g], sp * rbk, rbk, n, kt)
+            _deq_tile(kcode, kpool[g, page], sp * rbk, rbk, n, kt)
         # ---- scores (three query rows per pass over the K tile where all three see the whole
         # tile: every decode row), then online softmax per query row
         x3 = 0
@@ -449,7 +451,7 @@ def _item(q, kpool, vpool, kres, vres, ksink, vsink, page_table, n_past, ns_k, n
         elif j >= nq_v:
             _deq_tile(rcode, vres[g].reshape(RING * rbr), (j % RING) * rbr, rbr, n, vt)
         else:
-            _deq_tile(vcode, vpool[page, g], sp * rbv, rbv, n, vt)
+            _deq_tile(vcode, vpool[g, page], sp * rbv, rbv, n, vt)
         for x in range(R):
             if lim[x] <= j:
                 continue
@@ -477,7 +479,7 @@ def attend(q, kpool, vpool, kres, vres, ksink, vsink, page_table, n_past, ns_k, 
     part: f32 scratch (T, KVH, C, G, HD + 2) with C >= ceil((n_past + T) / chunk).
     Any chunk >= 1 works; multiples of P (and of TILE) split the fewest segments."""
     T, H, HD = q.shape
-    KVH = kpool.shape[1]
+    KVH = kpool.shape[0]
     G = H // KVH
     C = (n_past + T + chunk - 1) // chunk
     QB = min(T, QBLOCK)

@@ -1,0 +1,115 @@
+"""Explicit short-vector block decoders (Numba intrinsics emitting generic LLVM vector IR).
+
+LLVM's auto-vectorizer leaves some of the block loops scalar (a q8_0 block of 32 became 64 scalar
+movsbl / vcvtsi2ss / vmulss), so the hot per-block decodes are written here once as whole-block vector
+operations.  The IR is target-independent (<32 x i8> loads, sitofp, fmul by a splat, one <32 x float>
+store); LLVM lowers it to the host's widest vectors (AVX-512: two zmm, AVX2: four ymm, NEON: 8 q-regs).
+
+Each decoder reads ONE ggml block at byte offset `so` of the uint8 array `src` and writes its 32 floats
+to the float32 array `dst` (any dimension, C-contiguous) at flat element offset `do`.  Like every kernel
+here they do no bounds checks: callers pass offsets inside the arrays.
+"""
+from llvmlite import ir
+from numba import types
+from numba.extending import intrinsic
+
+I8, I16, I32, I64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
+F16, F32 = ir.HalfType(), ir.FloatType()
+
+
+def _vec(t, n):
+    return ir.VectorType(t, n)
+
+
+def _ptr(context, builder, aty, arr, off, oty):
+    """Element pointer arr.data + off (off of Numba type oty)."""
+    a = context.make_array(aty)(context, builder, arr)
+    return builder.gep(a.data, [context.cast(builder, off, oty, types.int64)], inbounds=True)
+
+
+def _at(builder, p, nbytes):
+    return builder.gep(p, [ir.Constant(I64, nbytes)], inbounds=True)
+
+
+def _load(builder, p, ty):
+    return builder.load(builder.bitcast(p, ty.as_pointer()), align=1)
+
+
+def _half(builder, p):
+    """f16 at byte pointer p -> float."""
+    return builder.fpext(builder.bitcast(_load(builder, p, I16), F16), F32)
+
+
+def _splat(builder, x, n):
+    vt = _vec(x.type, n)
+    v = builder.insert_element(ir.Constant(vt, ir.Undefined), x, ir.Constant(I32, 0))
+    return builder.shuffle_vector(v, ir.Constant(vt, ir.Undefined), ir.Constant(_vec(I32, n), [0] * n))
+
+
+def _nibbles(builder, p):
+    """16 bytes at p -> <32 x i8>: the low nibbles (values 0..15), then the high nibbles (ggml order)."""
+    b = _load(builder, p, _vec(I8, 16))
+    lo = builder.and_(b, ir.Constant(_vec(I8, 16), [15] * 16))
+    hi = builder.lshr(b, ir.Constant(_vec(I8, 16), [4] * 16))
+    return builder.shuffle_vector(lo, hi, ir.Constant(_vec(I32, 32), list(range(32))))
+
+
+def _store32(context, builder, sig, dst, do, v):
+    p = _ptr(context, builder, sig.args[2], dst, do, sig.args[3])
+    builder.store(v, builder.bitcast(p, _vec(F32, 32).as_pointer()), align=4)
+
+
+def _decoder(body):
+    """An intrinsic (src, so, dst, do) -> None whose vector value is body(builder, byte pointer)."""
+    def typer(typingctx, src, so, dst, do):
+        if not (isinstance(src, types.Array) and src.dtype == types.uint8
+                and isinstance(dst, types.Array) and dst.dtype == types.float32
+                and isinstance(so, types.Integer) and isinstance(do, types.Integer)):
+            return None
+
+        def codegen(context, builder, sig, args):
+            p = _ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+            _store32(context, builder, sig, args[2], args[3], body(builder, p))
+            return context.get_dummy_value()
+        return types.void(src, so, dst, do), codegen
+    typer.__name__ = body.__name__
+    return intrinsic(typer)
+
+
+def _q8_0(builder, p):       # [f16 d][32 x int8]: d * q
+    q = builder.sitofp(_load(builder, _at(builder, p, 2), _vec(I8, 32)), _vec(F32, 32))
+    return builder.fmul(q, _splat(builder, _half(builder, p), 32))
+
+
+def _q4_0(builder, p):       # [f16 d][16 bytes of nibbles]: d * (q - 8)
+    q = builder.sub(_nibbles(builder, _at(builder, p, 2)), ir.Constant(_vec(I8, 32), [8] * 32))
+    return builder.fmul(builder.sitofp(q, _vec(F32, 32)), _splat(builder, _half(builder, p), 32))
+
+
+def _q4_1(builder, p):       # [f16 d][f16 m][16 bytes of nibbles]: d * q + m  (also KIVI int4 values)
+    q = builder.uitofp(_nibbles(builder, _at(builder, p, 4)), _vec(F32, 32))
+    return builder.fadd(builder.fmul(q, _splat(builder, _half(builder, p), 32)),
+                        _splat(builder, _half(builder, _at(builder, p, 2)), 32))
+
+
+deq_q8_0 = _decoder(_q8_0)
+deq_q4_0 = _decoder(_q4_0)
+deq_q4_1 = _decoder(_q4_1)
+
+
+@intrinsic
+def prefetch(typingctx, arr, off):
+    """Hint the cache line holding byte `off` of uint8 array `arr` into all cache levels (a hint only:
+    never faults, so `off` may point anywhere)."""
+    if not (isinstance(arr, types.Array) and arr.dtype == types.uint8 and isinstance(off, types.Integer)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        a = context.make_array(sig.args[0])(context, builder, args[0])
+        p = builder.gep(a.data, [context.cast(builder, args[1], sig.args[1], types.int64)])
+        fn = builder.module.declare_intrinsic(
+            "llvm.prefetch.p0", fnty=ir.FunctionType(ir.VoidType(), [I8.as_pointer(), I32, I32, I32]))
+        builder.call(fn, [builder.bitcast(p, I8.as_pointer()), ir.Constant(I32, 0), ir.Constant(I32, 3),
+                          ir.Constant(I32, 1)])
+        return context.get_dummy_value()
+    return types.void(arr, off), codegen
