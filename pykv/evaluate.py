@@ -55,7 +55,7 @@ def perplexity(model, ids, n_ctx: int, base=None, max_chunks=None, progress=None
         bar.close()
     out = {"ppl": math.exp(nll / n), "n_tokens": n, "n_ctx": n_ctx,
            "ctk": model.cache.k_name(), "ctv": model.cache.v_name(), "kv_rotate": model.rotate,
-           "kv_bytes_per_token": model.kv_bytes_per_token()}
+           "kv_bytes_per_token": model.kv_bytes_per_token(), "q8_act": model.q8_act}
     if base is not None:
         out.update(kl=kl / n, top1=agree / n)
     return out
@@ -71,13 +71,13 @@ def cmd_perplexity(args) -> int:
             text = f.read()
     except OSError as e:
         raise PykvError(f"cannot read {textfile}: {e.strerror}") from None
-    model = load_from_args(args, model_path)
+    model = load_from_args(args, model_path, q8_act=args.q8_act)
     ids = model.tokenize(text)
     base = None
     if args.kl_base:
         from .model import load
         base = load(model.path, n_ctx=args.ctx_size, kv_type_k=args.kl_base, kv_type_v=args.kl_base,
-                    threads=args.threads, kv_rotate=False)
+                    threads=args.threads, kv_rotate=False, q8_act=args.q8_act)
     res = perplexity(model, ids, args.ctx_size, base=base, max_chunks=args.chunks)
     if args.json:
         print(json.dumps(res))
@@ -150,6 +150,9 @@ def register_cli(sub) -> None:
     p.add_argument("--kl-base", default=None, help="KV type of the baseline run for KL / top-1 (e.g. f16)")
     p.add_argument("--chunks", type=int, default=None, help="score at most this many chunks")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--q8-act", action="store_true",
+                   help="8-bit activations as `pykv run` uses them (default: float activations, so the "
+                        "comparison measures the KV cache and not q8 rounding flips)")
     p.set_defaults(func=cmd_perplexity)
 
     p = sub.add_parser("plan", help="bytes per token and what fits in a memory budget, for every KV type")

@@ -95,7 +95,7 @@ def test_matmul(t, T, threads, exact_mode):
     M.matmul(w, act, out)
     err = np.linalg.norm(out[:T] - ref) / np.linalg.norm(ref)
     if not w.int_dot:
-        # float weights, and the row-interleaved Q4_0/Q4_1/Q8_0 kernels: float activations
+        # float weights, and the float-activation Q4_0/Q4_1/Q8_0 tile kernels (hosts without VNNI)
         assert np.all(np.abs(out[:T] - ref) <= 1e-5 * scale + 1e-30)
     else:
         assert err < 2e-2                     # 8-bit activation quantization
@@ -196,8 +196,23 @@ def test_bad_call_arguments():
         M.get_rows(w, np.array([8]), np.zeros((1, 64), np.float32))
 
 
+@pytest.fixture(params=["vnni", "float"])
+def tile_kind(request, monkeypatch):
+    """Both Q4_0/Q4_1/Q8_0 tile families: the AVX-512 VNNI integer-dot tiles (when the host has them)
+    and the float-activation tiles every host can run."""
+    if request.param == "vnni" and not M.HAS_VNNI:
+        pytest.skip("host has no AVX-512 VNNI")
+    monkeypatch.setattr(M, "_USE_VNNI", request.param == "vnni")
+    return request.param
+
+
+def _tile_ref(w, x, ref_w):
+    """What a tile weight's decode kernel computes: the q8-activation dot (VNNI) or the float one."""
+    return (q8_emulate(x) if w.int_dot else x.astype(np.float64)) @ ref_w.T
+
+
 @pytest.mark.parametrize("gt", [GT.Q8_0, GT.Q4_1, GT.Q4_0])
-def test_large_activations_stay_finite(gt):
+def test_large_activations_stay_finite(gt, tile_kind):
     """Regression: fastmath once folded the f16-scale rebias constant into the dot sums, giving
     inf - inf = NaN once activations reached ~100 (SmolLM2's FFN reaches thousands)."""
     rng = np.random.default_rng(5)
@@ -211,16 +226,16 @@ def test_large_activations_stay_finite(gt):
     act.set(x)
     out = np.zeros((3, rows), np.float32)
     M.matmul(w, act, out)
-    ref = x.astype(np.float64) @ quants.dequantize(q, gt).astype(np.float64).T
+    ref = _tile_ref(w, x, quants.dequantize(q, gt).astype(np.float64))
     assert np.isfinite(out).all()
     assert np.abs(out - ref).max() <= 1e-5 * np.abs(ref).max()
 
 
 @pytest.mark.parametrize("T", [1, 3, 16, 40])
-def test_tile_paths_exact_and_fused(T, threads):
-    """The tile kernels (decode), the dequantize + sgemm prefill path (T >= 16) and matmul_fused
-    (Q/K/V and gate/up in one parallel region) all equal float64 on the dequantized weights,
-    partial row tiles included."""
+def test_tile_paths_exact_and_fused(T, threads, tile_kind):
+    """The tile kernels (decode; VNNI: prefill too), the float tiles' dequantize + sgemm prefill path
+    (T >= 16) and matmul_fused (Q/K/V and gate/up in one parallel region) all equal float64 on the
+    dequantized weights (with q8-quantized activations for the VNNI kernels), partial row tiles included."""
     rng = np.random.default_rng(100 + T)
     cols = 256
     ws, refs, outs = [], [], []
@@ -235,5 +250,6 @@ def test_tile_paths_exact_and_fused(T, threads):
     M.matmul_fused(ws[:3], act, outs[:3])       # three full-tile Q4 weights: one region
     M.matmul_fused(ws[2:], act, outs[2:])       # mixed kinds: falls back to one call each
     for w, ref_w, out in zip(ws, refs, outs):
-        ref = x.astype(np.float64) @ ref_w.T
+        assert w.kind in ((3, 4) if tile_kind == "vnni" else (1, 2)), w
+        ref = _tile_ref(w, x, ref_w) if (w.int_dot or T < M._BLAS_MIN_T) else x.astype(np.float64) @ ref_w.T
         assert np.abs(out - ref).max() <= 1e-5 * np.abs(ref).max(), (w, T)

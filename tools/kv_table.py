@@ -31,17 +31,19 @@ def main():
     ap.add_argument("--rotate", choices=["auto", "flip"], default="auto",
                     help="flip: each type with the opposite of its default rotation (to check the default)")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--q8-act", action="store_true", help="8-bit activations, as `pykv run` (default: float)")
     a = ap.parse_args()
-    base_m = pykv.load(a.model, n_ctx=a.ctx)
+    base_m = pykv.load(a.model, n_ctx=a.ctx, q8_act=a.q8_act)
     ids = np.asarray(base_m.tokenize(open(a.text, encoding="utf-8").read())[:a.ctx])
     n = len(ids) - 1
     lb = log_softmax(base_m.forward(ids)[:-1])
     base_ppl = float(np.exp(-lb[np.arange(n), ids[1:]].mean()))
     rows = []
     for t in a.types.split(","):
-        m = pykv.load(a.model, n_ctx=a.ctx, kv_type_k=t, kv_type_v=t)
+        m = pykv.load(a.model, n_ctx=a.ctx, kv_type_k=t, kv_type_v=t, q8_act=a.q8_act)
         if a.rotate == "flip":
-            m = pykv.load(a.model, n_ctx=a.ctx, kv_type_k=t, kv_type_v=t, kv_rotate=not m.rotate)
+            m = pykv.load(a.model, n_ctx=a.ctx, kv_type_k=t, kv_type_v=t, kv_rotate=not m.rotate,
+                          q8_act=a.q8_act)
         lp = log_softmax(m.forward(ids)[:-1])
         ppl = float(np.exp(-lp[np.arange(n), ids[1:]].mean()))
         rows.append({"kv_type": t, "ppl": ppl, "delta": ppl / base_ppl - 1,

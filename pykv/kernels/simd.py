@@ -11,6 +11,7 @@ here they do no bounds checks: callers pass offsets inside the arrays.
 """
 from llvmlite import ir
 from numba import types
+from numba.core import cgutils
 from numba.extending import intrinsic
 
 I8, I16, I32, I64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
@@ -113,3 +114,131 @@ def prefetch(typingctx, arr, off):
                           ir.Constant(I32, 1)])
         return context.get_dummy_value()
     return types.void(arr, off), codegen
+
+
+# ----------------------------------------------------------------------------------------------------
+# integer dot products against row-interleaved weight tiles (AVX-512 VNNI: vpdpbusd)
+# ----------------------------------------------------------------------------------------------------
+
+def _host_has_vnni() -> bool:
+    """True when Numba compiles for this host and the host has AVX-512 BW + VNNI (vpdpbusd on zmm).
+    PYKV_NO_VNNI=1 forces the float tile kernels (for tests and comparisons)."""
+    import os
+
+    import llvmlite.binding as llvm
+    from numba.core import config
+    if os.environ.get("PYKV_NO_VNNI") or config.CPU_NAME not in (None, "host"):
+        return False
+    try:
+        f = llvm.get_host_cpu_features()
+        return bool(f.get("avx512vnni") and f.get("avx512bw") and f.get("avx512f") and f.get("f16c"))
+    except Exception:          # pragma: no cover - exotic llvmlite builds
+        return False
+
+
+HAS_VNNI = _host_has_vnni()
+TILE_ROWS = 64          # rows per weight tile: four 16-lane groups
+
+
+def _data(context, builder, aty, arr):
+    return context.make_array(aty)(context, builder, arr).data
+
+
+def _ld_at(builder, base, off, ty, align=1):
+    """Load a value of type ty at element offset off (i64 value) of pointer base."""
+    return builder.load(builder.bitcast(builder.gep(base, [off], inbounds=True), ty.as_pointer()), align=align)
+
+
+def _c(v):
+    return ir.Constant(I64, v)
+
+
+def _halves16(builder, base, off):
+    """16 consecutive f16 (uint16 element offset off of base) -> <16 x float>."""
+    h = _ld_at(builder, base, off, _vec(I16, 16), 2)
+    return builder.fpext(builder.bitcast(h, _vec(F16, 16)), _vec(F32, 16))
+
+
+def _tile_dot(q4):
+    """Intrinsic (qt, sc, xq, xd, xs, nb, out): out[0:64] = the tile's 64 rows . x.
+
+    Tile layout (one tile of TILE_ROWS rows, nb blocks of 32 columns), groups of 4 columns per 32-bit lane:
+      Q4 (Q4_0 / Q4_1): qt uint8 [nb][4 groups jj][64 rows][4 bytes]: byte c of group jj holds columns
+          4jj+c (low nibble) and 16+4jj+c (high nibble) of the row's block, as ggml's qs[4jj+c];
+          sc uint16 [nb][2][64] = f16 d and m per row (Q4_0 stored as m = -8 d).
+          row . x = sum_b d*xd_b * sum_j q_j xq_j  +  m * xd_b * xs_b   (xs_b: int sum of xq's block)
+      Q8 (Q8_0): qt uint8 [nb][8 groups][64 rows][4 bytes] = ggml's int8 qs XOR 0x80 (= q + 128, unsigned);
+          sc uint16 [nb][64] = f16 d.  Both are llama.cpp's q4_0/q4_1/q8_0 x q8 dots, exactly.
+          row . x = sum_b d*xd_b * (sum_j (q_j + 128) xq_j - 128 * xs_b)
+    x is llama.cpp's q8 activation: xq int8 [nb*32], xd f32 [nb].  vpdpbusd multiplies 4 unsigned
+    weight bytes by 4 signed activation bytes and adds the 4 products to each int32 lane (one row),
+    so a block costs 8 vpdpbusd per 16 rows; the per-block int32 sums are scaled in float."""
+    groups = 4 if q4 else 8
+
+    def typer(typingctx, qt, sc, xq, xd, xa, nb, out):
+        ok = (isinstance(qt, types.Array) and qt.dtype == types.uint8 and isinstance(sc, types.Array)
+              and sc.dtype == types.uint16 and isinstance(xq, types.Array) and xq.dtype == types.int8
+              and isinstance(xd, types.Array) and xd.dtype == types.float32 and isinstance(xa, types.Array)
+              and xa.dtype == types.int32 and isinstance(nb, types.Integer)
+              and isinstance(out, types.Array) and out.dtype == types.float32)
+        if not ok:
+            return None
+
+        def codegen(context, builder, sig, args):
+            qtp, scp, xqp, xdp, xap = (_data(context, builder, sig.args[i], args[i]) for i in range(5))
+            nbv = context.cast(builder, args[5], sig.args[5], types.int64)
+            outp = _data(context, builder, sig.args[6], args[6])
+            dp = builder.module.declare_intrinsic(
+                "llvm.x86.avx512.vpdpbusd.512", fnty=ir.FunctionType(_vec(I32, 16), [_vec(I32, 16)] * 3))
+            zero_f = ir.Constant(_vec(F32, 16), [0.0] * 16)
+            zero_i = ir.Constant(_vec(I32, 16), [0] * 16)
+            m15 = ir.Constant(_vec(I8, 64), [15] * 64)
+            sh4 = ir.Constant(_vec(I8, 64), [4] * 64)
+            sums = [cgutils.alloca_once_value(builder, zero_f) for _ in range(4)]
+            with cgutils.for_range(builder, nbv) as loop:
+                b = loop.index
+                acc = [zero_i] * 4
+                xb = builder.mul(b, _c(32))
+                qb = builder.mul(b, _c(groups * 256))
+                for jj in range(groups):
+                    if q4:
+                        xs = [_ld_at(builder, xqp, builder.add(xb, _c(4 * jj)), I32),
+                              _ld_at(builder, xqp, builder.add(xb, _c(16 + 4 * jj)), I32)]
+                    else:
+                        xs = [_ld_at(builder, xqp, builder.add(xb, _c(4 * jj)), I32)]
+                    xs = [_splat(builder, v, 16) for v in xs]
+                    for k in range(4):
+                        w = _ld_at(builder, qtp, builder.add(qb, _c(256 * jj + 64 * k)), _vec(I8, 64))
+                        if q4:
+                            lo = builder.bitcast(builder.and_(w, m15), _vec(I32, 16))
+                            hi = builder.bitcast(builder.and_(builder.lshr(w, sh4), m15), _vec(I32, 16))
+                            acc[k] = builder.call(dp, [builder.call(dp, [acc[k], lo, xs[0]]), hi, xs[1]])
+                        else:
+                            acc[k] = builder.call(dp, [acc[k], builder.bitcast(w, _vec(I32, 16)), xs[0]])
+                xdb = _splat(builder, _ld_at(builder, xdp, b, F32, 4), 16)
+                xsv = _ld_at(builder, xap, b, I32, 4)
+                if q4:
+                    xfb = _splat(builder, builder.fmul(_ld_at(builder, xdp, b, F32, 4),
+                                                       builder.sitofp(xsv, F32)), 16)
+                else:
+                    xsb = _splat(builder, builder.mul(xsv, ir.Constant(I32, 128)), 16)
+                sb = builder.mul(b, _c(128 if q4 else 64))
+                for k in range(4):
+                    d = _halves16(builder, scp, builder.add(sb, _c(16 * k)))
+                    a = acc[k] if q4 else builder.sub(acc[k], xsb)
+                    s = builder.fadd(builder.load(sums[k]),
+                                     builder.fmul(builder.fmul(d, xdb), builder.sitofp(a, _vec(F32, 16))))
+                    if q4:
+                        s = builder.fadd(s, builder.fmul(_halves16(builder, scp, builder.add(sb, _c(64 + 16 * k))), xfb))
+                    builder.store(s, sums[k])
+            for k in range(4):
+                p = builder.gep(outp, [_c(16 * k)], inbounds=True)
+                builder.store(builder.load(sums[k]), builder.bitcast(p, _vec(F32, 16).as_pointer()), align=4)
+            return context.get_dummy_value()
+        return types.void(qt, sc, xq, xd, xa, nb, out), codegen
+    typer.__name__ = "dot_tile_q4" if q4 else "dot_tile_q8"
+    return intrinsic(typer)
+
+
+dot_tile_q4 = _tile_dot(True)
+dot_tile_q8 = _tile_dot(False)
