@@ -23,7 +23,7 @@ from .kernels.attention import attend as _attend
 from .kernels.kvquant import dequantize_row, kivi_quantize_kpage, quantize_row
 
 F16 = KV_FORMATS["f16"]
-SMOOTH_ALPHA = 0.5   # key channels divided by (std)^alpha, queries multiplied by it (see smooth_keys)
+SMOOTH_ALPHA = 0.5   # key channels divided by (std)^alpha, queries multiplied by it (see smooth_stats)
 N_SINK = 4           # first tokens of a sequence also kept as exact f16 rows for quantized KV types
 CHUNKS_PER_THREAD = 4   # decode attention chunks per thread (8 and 16 measured no faster)
 KIVI_WINDOW = 3      # KIVI: full pages kept in f16 behind the newest one (KIVI's recent-token window)
@@ -182,9 +182,8 @@ class KVCache:
     def new_sequence(self) -> Sequence:
         cfg = self.cfg
         seq = Sequence(np.full(self.max_pages_per_seq, -1, np.int32))
-        if any(self.k_smooth):
-            seq.k_shift = np.zeros((cfg.n_layers, cfg.n_kv_heads, cfg.head_dim), np.float32)
-            seq.k_scale = np.ones((cfg.n_layers, cfg.n_kv_heads, cfg.head_dim), np.float32)
+        seq.k_shift = np.zeros((cfg.n_layers, cfg.n_kv_heads, cfg.head_dim), np.float32)   # identity
+        seq.k_scale = np.ones((cfg.n_layers, cfg.n_kv_heads, cfg.head_dim), np.float32)    # smoothing
         for li, l in enumerate(self.layers):
             for name, fmt in (("k", l.k_fmt), ("v", l.v_fmt)):
                 if fmt.kind == "kivi":
@@ -240,29 +239,21 @@ class KVCache:
                 write_residual(x[j - seq.n_tokens:seg - seq.n_tokens], res, j, self.ring, F16.code)
                 j = seg
 
-    def smooth_keys(self, li: int, seq: Sequence, q: np.ndarray, k: np.ndarray) -> None:
-        """Key smoothing, before rotation and quantization; q (T, H, HD), k (T, KVH, HD) in place.
+    def smooth_stats(self, li: int, seq: Sequence, k: np.ndarray) -> None:
+        """Fix layer li's key smoothing from the sequence's first batch of (roped) keys k (T, KVH, HD).
         Removing a fixed vector mu from every key shifts all of a query's scores by the same q.mu, and
         dividing key channels by s while multiplying query channels by s keeps q.k: attention is
         unchanged in exact arithmetic, while the block quantizer no longer spends its range on the
-        large per-channel bias and spread of LLaMA keys. The sequence's first keys fix mu and s
-        (the attention-sink token 0 left out)."""
-        if not self.k_smooth[li]:
-            return
-        if seq.n_tokens == 0:
-            ks = k[1:] if k.shape[0] > 1 else k
-            mu = ks.mean(axis=0)
-            seq.k_shift[li] = mu
-            if SMOOTH_ALPHA > 0 and ks.shape[0] > 1:
-                sd = np.sqrt(((ks - mu) ** 2).mean(axis=0))           # (KVH, HD)
-                sd = np.maximum(sd, 1e-2 * sd.max(axis=1, keepdims=True) + 1e-12)
-                sc = sd ** SMOOTH_ALPHA
-                seq.k_scale[li] = sc / np.exp(np.log(sc).mean(axis=1, keepdims=True))
-        k -= seq.k_shift[li]
-        k /= seq.k_scale[li]
-        T, H, HD = q.shape
-        KVH = k.shape[1]
-        q.reshape(T, KVH, H // KVH, HD)[...] *= seq.k_scale[li][None, :, None, :]
+        large per-channel bias and spread of LLaMA keys (ops.qkv_prep applies it; the attention-sink
+        token 0 is left out of the statistics)."""
+        ks = k[1:] if k.shape[0] > 1 else k
+        mu = ks.mean(axis=0)
+        seq.k_shift[li] = mu
+        if SMOOTH_ALPHA > 0 and ks.shape[0] > 1:
+            sd = np.sqrt(((ks - mu) ** 2).mean(axis=0))           # (KVH, HD)
+            sd = np.maximum(sd, 1e-2 * sd.max(axis=1, keepdims=True) + 1e-12)
+            sc = sd ** SMOOTH_ALPHA
+            seq.k_scale[li] = sc / np.exp(np.log(sc).mean(axis=1, keepdims=True))
 
     def n_quantized(self, fmt, n_tokens: int) -> int:
         """Tokens read from the pool (the rest come from the f16 residual: KIVI's newest page)."""

@@ -11,7 +11,7 @@ from gguf import GGMLQuantizationType as GT
 from .config import Config, PykvError
 from .gguf_io import WEIGHT_TYPES, GGUFFile, open_model
 from .kernels import matmul as mm
-from .kernels.ops import (add_inplace, add_rmsnorm_act, copy_act, fwht_heads, rmsnorm, rmsnorm_act, rope,
+from .kernels.ops import (add_inplace, add_rmsnorm_act, attn_out_act, qkv_prep, rmsnorm, rmsnorm_act, rope,
                           rope_tables, swiglu_act)
 from .kv_cache import KVCache, Sequence
 from .tokenizer import Tokenizer
@@ -137,6 +137,7 @@ class Model:
         self.state = RunState(cfg, self.n_batch, self.max_chunks)
         self.cos, self.sin = rope_tables(self.n_ctx, cfg.rope_dims, cfg.rope_base)
         self.rotate = self._rotate_default(kv_rotate)
+        self.q_mul = np.float32(1.0 / np.sqrt(cfg.head_dim))
         self.rot_sign = np.random.default_rng(ROTATE_SEED).choice(
             np.array([-1.0, 1.0], np.float32), cfg.head_dim).astype(np.float32)
         self.seq: Sequence | None = None
@@ -179,14 +180,14 @@ class Model:
         mm.matmul_fused((lw.wq, lw.wk, lw.wv), ad, (q, k, v))
         q3, k3, v3 = q.reshape(T, H, HD), k.reshape(T, KVH, HD), v.reshape(T, KVH, HD)
         n_past = seq.n_tokens
-        rope(q3, n_past, self.cos, self.sin, cfg.rope_dims)
-        rope(k3, n_past, self.cos, self.sin, cfg.rope_dims)
-        cache.smooth_keys(li, seq, q3, k3)
-        if self.rotate:
-            fwht_heads(q3, self.rot_sign, False)
-            fwht_heads(k3, self.rot_sign, False)
-            fwht_heads(v3, self.rot_sign, False)
-        q3 *= np.float32(1.0 / np.sqrt(HD))
+        smooth = cache.k_smooth[li]
+        do_rope = not (smooth and n_past == 0)
+        if not do_rope:          # a sequence's first batch fixes the key smoothing from its roped keys
+            rope(q3, n_past, self.cos, self.sin, cfg.rope_dims)
+            rope(k3, n_past, self.cos, self.sin, cfg.rope_dims)
+            cache.smooth_stats(li, seq, k3)
+        qkv_prep(q3, k3, v3, n_past, self.cos, self.sin, cfg.rope_dims, do_rope, seq.k_shift[li],
+                 seq.k_scale[li], smooth, self.rot_sign, self.rotate, self.q_mul)
         cache.append(li, seq, k3, v3)
         n_tot = n_past + T
         chunk = cache.chunk_for(n_tot, T, numba.get_num_threads())
@@ -194,9 +195,7 @@ class Model:
         part = st.part[:T * KVH * C * (H // KVH) * (HD + 2)].reshape(T, KVH, C, H // KVH, HD + 2)
         att3 = st.att[:T].reshape(T, H, HD)
         cache.attend(li, seq, q3, n_past, chunk, part, att3)
-        if self.rotate:
-            fwht_heads(att3, self.rot_sign, True)
-        copy_act(st.att[:T], ad.x, ad.xf)
+        attn_out_act(att3, self.rot_sign, self.rotate, ad.x, ad.xf)
         ad.mark(T)
         o = st.o[:T]
         mm.matmul(lw.wo, ad, o)

@@ -14,6 +14,9 @@ side of the quantized / f16-residual boundary).  Per segment:
   4. the V rows are decoded once into a tile and acc[row] += sum_r p[row, r] * V[r].
 
 Partials (m, l, acc) go to `part`; a second pass merges the chunks with log-sum-exp weights.
+Each work item allocates its few small tiles (np.empty, ~10 KB) rather than taking slices of one
+preallocated per-thread buffer: that variant measured 5-10 % slower at depth 4096 (LLVM cannot tell
+views of one buffer apart, so the tile loops get alias checks), and no faster end to end.
 f16 (the residual rows, f16 caches and every f16 block scale) is decoded with the hardware half ->
 float conversion (`fpext half`, vcvtph2ps on x86), which vectorizes; the cache itself is never
 dequantized to memory beyond one tile.

@@ -16,21 +16,25 @@ def rmsnorm(x, w, eps, out):
             out[t, i] = x[t, i] * r * w[i]
 
 
+@njit(cache=True, nogil=True, fastmath=True, inline="always")
+def _rope_vec(v, p, cos, sin, n_rot):
+    # llama.cpp rope mode 0 (LLAMA GGUFs): adjacent pairs (2i, 2i+1) rotate by p * base^(-2i/n_rot)
+    for i in range(n_rot // 2):
+        c = cos[p, i]
+        s = sin[p, i]
+        a = v[2 * i]
+        b = v[2 * i + 1]
+        v[2 * i] = a * c - b * s
+        v[2 * i + 1] = a * s + b * c
+
+
 @njit(cache=True, nogil=True, fastmath=True)
 def rope(x, pos0, cos, sin, n_rot):
     # x (T, nh, HD) f32, rotated in place at positions pos0 + t; cos/sin (n_ctx, n_rot/2).
-    # llama.cpp rope mode 0 (LLAMA GGUFs): adjacent pairs (2i, 2i+1) rotate by pos * base^(-2i/n_rot).
     T, nh, HD = x.shape
     for t in range(T):
-        p = pos0 + t
         for h in range(nh):
-            for i in range(n_rot // 2):
-                c = cos[p, i]
-                s = sin[p, i]
-                a = x[t, h, 2 * i]
-                b = x[t, h, 2 * i + 1]
-                x[t, h, 2 * i] = a * c - b * s
-                x[t, h, 2 * i + 1] = a * s + b * c
+            _rope_vec(x[t, h], pos0 + t, cos, sin, n_rot)
 
 
 @njit(cache=True, nogil=True, fastmath=True)
@@ -64,21 +68,55 @@ def _butterfly(v):
         span *= 2
 
 
-@njit(cache=True, nogil=True)
-def fwht_heads(x, sign, inverse):
-    # x (T, nh, HD) f32, in place. Forward: v <- H·diag(sign)·v / sqrt(HD) (orthonormal, HD a power
-    # of two); inverse: v <- diag(sign)·H·v / sqrt(HD). The rotation that spreads KV outliers.
-    T, nh, HD = x.shape
+@njit(cache=True, nogil=True, inline="always")
+def _fwht_vec(v, sign, inverse):
+    # Forward: v <- H·diag(sign)·v / sqrt(HD) (orthonormal, HD a power of two); inverse:
+    # v <- diag(sign)·H·v / sqrt(HD). The rotation that spreads KV outliers.
+    HD = v.shape[0]
     norm = 1.0 / np.sqrt(HD)
+    if not inverse:
+        for i in range(HD):
+            v[i] *= sign[i]
+    _butterfly(v)
+    for i in range(HD):
+        v[i] *= norm * sign[i] if inverse else norm
+
+
+@njit(cache=True, nogil=True, fastmath=True)
+def qkv_prep(q, k, v, pos0, cos, sin, n_rot, do_rope, shift, scale, smooth, sign, rotate, qmul):
+    """Everything between the Q/K/V matmuls and the cache, in one call (decode is dispatch-bound):
+    q (T, H, HD), k, v (T, KVH, HD) f32 in place, per token t at position pos0 + t:
+      rope on q and k (if do_rope);
+      key smoothing (if smooth): k = (k - shift) / scale, and each query head of KV group g times
+          scale[g] (shift, scale: (KVH, HD)), so q.k changes only by a per-query constant;
+      Hadamard rotation of q, k and v (if rotate, with the fixed signs `sign`);
+      q *= qmul (the 1/sqrt(HD) softmax scale)."""
+    T, H, HD = q.shape
+    KVH = k.shape[1]
+    G = H // KVH
     for t in range(T):
-        for h in range(nh):
-            v = x[t, h]
-            if not inverse:
+        p = pos0 + t
+        for g in range(KVH):
+            kv = k[t, g]
+            if do_rope:
+                _rope_vec(kv, p, cos, sin, n_rot)
+            if smooth:
                 for i in range(HD):
-                    v[i] *= sign[i]
-            _butterfly(v)
-            for i in range(HD):
-                v[i] *= norm * sign[i] if inverse else norm
+                    kv[i] = (kv[i] - shift[g, i]) / scale[g, i]
+            if rotate:
+                _fwht_vec(kv, sign, False)
+                _fwht_vec(v[t, g], sign, False)
+            for gi in range(G):
+                qv = q[t, g * G + gi]
+                if do_rope:
+                    _rope_vec(qv, p, cos, sin, n_rot)
+                if smooth:
+                    for i in range(HD):
+                        qv[i] *= scale[g, i]
+                if rotate:
+                    _fwht_vec(qv, sign, False)
+                for i in range(HD):
+                    qv[i] *= qmul
 
 
 # ---- fused producers of a matmul activation (decode is launch / dispatch bound: one call each
@@ -125,10 +163,13 @@ def swiglu_act(g, u, X, XF):
 
 
 @njit(cache=True, nogil=True)
-def copy_act(x, X, XF):
-    # X[:T] = x, XF its block sums
-    T, D = x.shape
+def attn_out_act(att, sign, rotate, X, XF):
+    # att (T, H, HD): each head rotated back (if rotate) in place; X[:T] = att as (T, H*HD), XF its block sums
+    T, H, HD = att.shape
     for t in range(T):
-        for i in range(D):
-            X[t, i] = x[t, i]
+        for h in range(H):
+            if rotate:
+                _fwht_vec(att[t, h], sign, True)
+            for i in range(HD):
+                X[t, h * HD + i] = att[t, h, i]
         _block_sums(X, XF, t)
