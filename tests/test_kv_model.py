@@ -73,6 +73,11 @@ def test_perplexity_cli_json(tiny_path, tmp_path):
     res = json.loads(r.stdout)
     assert res["ppl"] > 1 and res["kl"] >= 0 and 0 <= res["top1"] <= 1
     assert res["kv_bytes_per_token"] == 2 * 2 * 2 * 64 // 32 * 18   # layers x (K+V) x KVH x blocks x 18
+    assert res["q8_act"] is False           # KV comparisons run with float activations by default
+    r = subprocess.run([sys.executable, "-m", "pykv", "perplexity", tiny_path, str(text), "-c", "32",
+                        "--q8-act", "--json"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["q8_act"] is True
 
 
 def _ppl(model, ids):

@@ -121,13 +121,14 @@ def prefetch(typingctx, arr, off):
 # ----------------------------------------------------------------------------------------------------
 
 def _host_has_vnni() -> bool:
-    """True when Numba compiles for this host and the host has AVX-512 BW + VNNI (vpdpbusd on zmm).
+    """True when Numba compiles for this host (no NUMBA_CPU_NAME / NUMBA_CPU_FEATURES override) and the
+    host has AVX-512 BW + VNNI (vpdpbusd on zmm).
     PYKV_NO_VNNI=1 forces the float tile kernels (for tests and comparisons)."""
     import os
 
     import llvmlite.binding as llvm
     from numba.core import config
-    if os.environ.get("PYKV_NO_VNNI") or config.CPU_NAME not in (None, "host"):
+    if os.environ.get("PYKV_NO_VNNI") or config.CPU_NAME not in (None, "host") or config.CPU_FEATURES:
         return False
     try:
         f = llvm.get_host_cpu_features()
