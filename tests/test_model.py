@@ -77,7 +77,9 @@ def test_smollm2_perplexity_and_top1_vs_hf(smollm2, ref, exact):
     agree = float((top1 == ref["hf_text_top1"][:len(top1)]).mean())
     print(f"exact={exact} ppl {ppl:.4f} (HF {hf_ppl:.4f}) top1 agreement {agree:.4f}")
     assert abs(ppl / hf_ppl - 1) < 0.005
-    assert agree >= (0.995 if exact else 0.96)
+    # default kernels: llama.cpp's q8 activations where the CPU has VNNI (96.6 % here; llama.cpp 96.5 %),
+    # float activations elsewhere (99.9 %)
+    assert agree >= (0.995 if exact else 0.955)
 
 
 def test_smollm2_prompt_logits_close_to_hf(smollm2, ref):
