@@ -37,6 +37,10 @@ class _Corrupt(Exception):
     pass
 
 
+class _NotGGUF(_Corrupt):
+    pass
+
+
 class _Header:
     """Sequential little-endian reader over the mapped file; every read is bounds-checked."""
 
@@ -87,13 +91,13 @@ def _parse(path: str):
     v2/v3 little-endian file.  A direct parser: gguf.GGUFReader builds numpy views of every field and
     took 1.7 s of a 3 s warm start on SmolLM2 (its 49k-token vocabulary)."""
     with open(path, "rb") as f:
-        try:
-            mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        except ValueError:                        # empty file
-            raise _Corrupt("empty file") from None
+        magic = f.read(4)
+        if magic != GGUF_MAGIC:
+            raise _NotGGUF(f"bad magic {magic!r}")
+        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     h = _Header(mm)
-    if h.n < 24 or mm[:4] != GGUF_MAGIC:
-        raise _Corrupt("too short for a GGUF header" if h.n < 24 else "bad magic")
+    if h.n < 24:
+        raise _Corrupt("too short for a GGUF header")
     h.off = 4
     version = h.scalar("<I")
     if version not in (2, 3):
@@ -142,12 +146,10 @@ class GGUFFile:
             raise PykvError(f"model file not found: {path}")
         if os.path.isdir(path):
             raise PykvError(f"model path is a directory, not a GGUF file: {path}")
-        with open(path, "rb") as f:
-            magic = f.read(4)
-        if magic != GGUF_MAGIC:
-            raise PykvError(f"not a GGUF file (bad magic {magic!r}): {path}")
         try:
             self.metadata, infos, mm = _parse(path)
+        except _NotGGUF as e:
+            raise PykvError(f"not a GGUF file ({e}): {path}") from None
         except _Corrupt as e:
             raise PykvError(f"corrupt or truncated GGUF file {path}: {e}") from None
         except OSError as e:

@@ -197,12 +197,11 @@ def test_bad_call_arguments():
 
 
 @pytest.fixture(params=["vnni", "float"])
-def tile_kind(request, monkeypatch):
+def tile_kind(request):
     """Both Q4_0/Q4_1/Q8_0 tile families: the AVX-512 VNNI integer-dot tiles (when the host has them)
-    and the float-activation tiles every host can run."""
+    and the float-activation tiles every host can run (prepare_weight's q8_act)."""
     if request.param == "vnni" and not M.HAS_VNNI:
         pytest.skip("host has no AVX-512 VNNI")
-    monkeypatch.setattr(M, "_USE_VNNI", request.param == "vnni")
     return request.param
 
 
@@ -220,7 +219,7 @@ def test_large_activations_stay_finite(gt, tile_kind):
     W = (rng.standard_normal((rows, cols)) * 0.02).astype(np.float32)
     W[0] = 0.0
     q = quants.quantize(W, gt)
-    w = M.prepare_weight(gt, q, rows, cols)
+    w = M.prepare_weight(gt, q, rows, cols, q8_act=tile_kind == "vnni")
     x = (rng.standard_normal((3, cols)) * 3000).astype(np.float32)
     act = M.Act(cols, 4)
     act.set(x)
@@ -241,7 +240,7 @@ def test_tile_paths_exact_and_fused(T, threads, tile_kind):
     ws, refs, outs = [], [], []
     for t, rows in ((GT.Q4_1, 128), (GT.Q4_0, 64), (GT.Q4_1, 192), (GT.Q8_0, 200)):
         data, ref_w = make_weight(t, rows, cols, rng)
-        ws.append(M.prepare_weight(int(t), data, rows, cols))
+        ws.append(M.prepare_weight(int(t), data, rows, cols, q8_act=tile_kind == "vnni"))
         refs.append(ref_w)
         outs.append(np.zeros((T, rows), np.float32))
     x = rng.standard_normal((T, cols)).astype(np.float32)

@@ -113,7 +113,6 @@ def _deq_tile(code, src, o0, rb, n, out):
     HD = out.shape[1]
     nb = HD // 32
     bs = _opaque_bs(HD)
-    hb = bs // 2
     qb = bs // 4
     if code == CODE_F16:
         for r in range(n):

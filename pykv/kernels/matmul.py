@@ -658,34 +658,12 @@ def _f16_bits(b2):
     return np.ascontiguousarray(b2).view(np.uint16)[..., 0]
 
 
-def _repack_tiles(gt, raw, rows, cols, R):
-    nb = cols // 32
-    nt = -(-rows // R)
-    pad = nt * R - rows
-    bpb = _BLOCK[gt][1]
-    blk = raw.reshape(rows, nb, bpb)
-    if pad:
-        blk = np.concatenate([blk, np.zeros((pad, nb, bpb), np.uint8)])
-    d = _f16_bits(blk[:, :, 0:2])
-    if gt == Q8_0:
-        q = blk[:, :, 2:34].view(np.int8)
-        qt = np.ascontiguousarray(q.reshape(nt, R, nb, 32).transpose(0, 2, 3, 1))
-        sc = np.ascontiguousarray(d.reshape(nt, R, nb).transpose(0, 2, 1))
-        return qt, sc
-    if gt == Q4_1:
-        m = _f16_bits(blk[:, :, 2:4])
-        q = blk[:, :, 4:20]
-    else:  # Q4_0: d * (q - 8) = d * q + (-8 d), and -8 d is exact in f16 unless it overflows
-        m = (d.view(np.float16) * np.float16(-8.0)).view(np.uint16)
-        q = blk[:, :, 2:18]
-    qt = np.ascontiguousarray(q.reshape(nt, R, nb, 16).transpose(0, 2, 3, 1))
-    sc = np.ascontiguousarray(np.stack([d.reshape(nt, R, nb).transpose(0, 2, 1),
-                                        m.reshape(nt, R, nb).transpose(0, 2, 1)], axis=2))
-    return qt, sc
-
-def _repack_vnni(gt, raw, rows, cols):
-    """ggml Q4_0 / Q4_1 / Q8_0 rows -> VNNI tiles (qt, sc) as kernels.simd.dot_tile_q4/q8 read them."""
-    R = TILE_ROWS
+def _repack_tiles(gt, raw, rows, cols, R, vnni):
+    """ggml Q4_0 / Q4_1 / Q8_0 rows -> row-interleaved tiles (qt, sc) of R rows (the last zero-padded).
+    Float-activation layout: qt[tile, b, j, row] (byte j of each row's block b); VNNI layout:
+    qt[tile, b, group, row, 4] (4 bytes of one row per 32-bit lane, kernels.simd.dot_tile_q4/q8; Q8_0
+    bytes XOR 0x80). sc: f16 bits, Q8_0 d (tile, b, row) (VNNI: (tile, b, 1, row)), Q4 d and m
+    (tile, b, 2, row)."""
     nb = cols // 32
     nt = -(-rows // R)
     pad = nt * R - rows
@@ -695,17 +673,22 @@ def _repack_vnni(gt, raw, rows, cols):
         blk = np.concatenate([blk, np.zeros((pad, nb, bpb), np.uint8)])
     d = _f16_bits(blk[:, :, 0:2]).reshape(nt, R, nb).transpose(0, 2, 1)
     if gt == Q8_0:
-        q = blk[:, :, 2:34] ^ np.uint8(0x80)
-        qt = np.ascontiguousarray(q.reshape(nt, R, nb, 8, 4).transpose(0, 2, 3, 1, 4))
-        return qt, np.ascontiguousarray(d[:, :, None, :])
-    if gt == Q4_1:
-        m = _f16_bits(blk[:, :, 2:4]).reshape(nt, R, nb).transpose(0, 2, 1)
-        q = blk[:, :, 4:20]
-    else:  # Q4_0: d * (q - 8) = d * q + (-8 d)
-        m = (np.ascontiguousarray(d).view(np.float16) * np.float16(-8.0)).view(np.uint16)
-        q = blk[:, :, 2:18]
-    qt = np.ascontiguousarray(q.reshape(nt, R, nb, 4, 4).transpose(0, 2, 3, 1, 4))
-    return qt, np.ascontiguousarray(np.stack([d, m], axis=2))
+        q = blk[:, :, 2:34] ^ np.uint8(0x80) if vnni else blk[:, :, 2:34].view(np.int8)
+        sc = d[:, :, None, :] if vnni else d
+    else:
+        if gt == Q4_1:
+            m = _f16_bits(blk[:, :, 2:4]).reshape(nt, R, nb).transpose(0, 2, 1)
+            q = blk[:, :, 4:20]
+        else:  # Q4_0: d * (q - 8) = d * q + (-8 d), and -8 d is exact in f16 unless it overflows
+            m = (np.ascontiguousarray(d).view(np.float16) * np.float16(-8.0)).view(np.uint16)
+            q = blk[:, :, 2:18]
+        sc = np.stack([d, m], axis=2)
+    w = q.shape[2]
+    if vnni:
+        qt = q.reshape(nt, R, nb, w // 4, 4).transpose(0, 2, 3, 1, 4)
+    else:
+        qt = q.reshape(nt, R, nb, w).transpose(0, 2, 3, 1)
+    return np.ascontiguousarray(qt), np.ascontiguousarray(sc)
 
 # ----------------------------------------------------------------------------------------------------
 # Python-level API
@@ -717,7 +700,6 @@ _KIND_TILE_Q8 = 2    # row-interleaved Q8_0
 _KIND_VNNI_Q4 = 3    # 64-row VNNI tiles, Q4_0 / Q4_1 (q8 activations, integer dots)
 _KIND_VNNI_Q8 = 4    # 64-row VNNI tiles, Q8_0
 _VNNI_KINDS = (_KIND_VNNI_Q4, _KIND_VNNI_Q8)
-_USE_VNNI = HAS_VNNI
 
 
 class Weight:
@@ -787,12 +769,12 @@ def prepare_weight(ggml_type: int, data: np.ndarray, rows: int, cols: int, q8_ac
     elif gt in (F16, BF16):
         w.fw = raw.view(np.uint16)
     elif gt in (Q4_0, Q4_1, Q8_0):
-        if _USE_VNNI and q8_act:
-            qt, sc = _repack_vnni(gt, raw, rows, cols)
-            kind = _KIND_VNNI_Q8 if gt == Q8_0 else _KIND_VNNI_Q4
+        vnni = HAS_VNNI and q8_act
+        if vnni:
+            R, kind = TILE_ROWS, (_KIND_VNNI_Q8 if gt == Q8_0 else _KIND_VNNI_Q4)
         else:
-            qt, sc = _repack_tiles(gt, raw, rows, cols, _R_Q8 if gt == Q8_0 else _R_Q4)
-            kind = _KIND_TILE_Q8 if gt == Q8_0 else _KIND_TILE_Q4
+            R, kind = (_R_Q8, _KIND_TILE_Q8) if gt == Q8_0 else (_R_Q4, _KIND_TILE_Q4)
+        qt, sc = _repack_tiles(gt, raw, rows, cols, R, vnni)
         # the tile kernels decode f16 scales without inf/nan handling: keep the generic kernel otherwise
         if np.all(sc & np.uint16(0x7C00) != np.uint16(0x7C00)):
             w.qt, w.sc, w.kind = qt, sc, kind

@@ -22,10 +22,15 @@ def _vec(t, n):
     return ir.VectorType(t, n)
 
 
+def _data(context, builder, aty, arr):
+    """The data pointer of Numba array value arr (type aty)."""
+    return context.make_array(aty)(context, builder, arr).data
+
+
 def _ptr(context, builder, aty, arr, off, oty):
     """Element pointer arr.data + off (off of Numba type oty)."""
-    a = context.make_array(aty)(context, builder, arr)
-    return builder.gep(a.data, [context.cast(builder, off, oty, types.int64)], inbounds=True)
+    return builder.gep(_data(context, builder, aty, arr), [context.cast(builder, off, oty, types.int64)],
+                       inbounds=True)
 
 
 def _at(builder, p, nbytes):
@@ -106,8 +111,8 @@ def prefetch(typingctx, arr, off):
         return None
 
     def codegen(context, builder, sig, args):
-        a = context.make_array(sig.args[0])(context, builder, args[0])
-        p = builder.gep(a.data, [context.cast(builder, args[1], sig.args[1], types.int64)])
+        p = builder.gep(_data(context, builder, sig.args[0], args[0]),     # not inbounds: any offset
+                        [context.cast(builder, args[1], sig.args[1], types.int64)])
         fn = builder.module.declare_intrinsic(
             "llvm.prefetch.p0", fnty=ir.FunctionType(ir.VoidType(), [I8.as_pointer(), I32, I32, I32]))
         builder.call(fn, [builder.bitcast(p, I8.as_pointer()), ir.Constant(I32, 0), ir.Constant(I32, 3),
@@ -139,10 +144,6 @@ def _host_has_vnni() -> bool:
 
 HAS_VNNI = _host_has_vnni()
 TILE_ROWS = 64          # rows per weight tile: four 16-lane groups
-
-
-def _data(context, builder, aty, arr):
-    return context.make_array(aty)(context, builder, arr).data
 
 
 def _ld_at(builder, base, off, ty, align=1):
