@@ -447,27 +447,141 @@ def _add_vocab(w: gguf.GGUFWriter, hf_dir: Path, cfg: dict) -> None:
 # convert HF -> GGUF
 # ----------------------------------------------------------------------------
 
-def _llama3_rope_factors(cfg: dict, head_dim: int) -> np.ndarray | None:
-    rs = cfg.get("rope_scaling") or {}
-    if rs.get("rope_type", rs.get("type")) != "llama3":
-        return None
-    base = float(cfg.get("rope_theta", 10000.0))
-    factor = float(rs.get("factor", 8.0))
-    lo = float(rs.get("low_freq_factor", 1.0))
-    hi = float(rs.get("high_freq_factor", 4.0))
-    old_ctx = float(rs.get("original_max_position_embeddings", 8192))
-    lo_wl, hi_wl = old_ctx / lo, old_ctx / hi
-    out = []
-    for f in 1.0 / (base ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)):
-        wl = 2 * math.pi / f
-        if wl < hi_wl:
-            out.append(1.0)
-        elif wl > lo_wl:
-            out.append(factor)
-        else:
-            s = (old_ctx / wl - lo) / (hi - lo)
-            out.append(1.0 / ((1 - s) / factor + s))
-    return np.asarray(out, dtype=np.float32)
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")   # what llama.cpp's converter maps for LLaMA
+
+
+@dataclass(frozen=True)
+class RopeSpec:
+    """The RoPE section of a HF LLaMA config, read from either schema and checked."""
+    type: str                    # default | linear | llama3 | yarn
+    theta: float                 # rope_theta -> llama.rope.freq_base
+    factor: float = 1.0          # linear, llama3, yarn: context extension factor
+    orig_ctx: int = 0            # llama3, yarn: original_max_position_embeddings
+    low_freq_factor: float = 0.0   # llama3
+    high_freq_factor: float = 0.0  # llama3
+    beta_fast: float | None = None   # yarn, when given
+    beta_slow: float | None = None   # yarn, when given
+    attn_factor: float | None = None  # yarn: attention_factor given, or from mscale / mscale_all_dim
+
+    def hf_params(self) -> dict:
+        """transformers 5's rope_parameters for this spec."""
+        d: dict[str, Any] = {"rope_type": self.type, "rope_theta": self.theta}
+        if self.type != "default":
+            d["factor"] = self.factor
+        if self.type in ("llama3", "yarn"):
+            d["original_max_position_embeddings"] = self.orig_ctx
+        if self.type == "llama3":
+            d.update(low_freq_factor=self.low_freq_factor, high_freq_factor=self.high_freq_factor)
+        for k, v in (("attention_factor", self.attn_factor), ("beta_fast", self.beta_fast),
+                     ("beta_slow", self.beta_slow)):
+            if v is not None:
+                d[k] = v
+        return d
+
+
+def _num(where: str, v, integer: bool = False, positive: bool = True):
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or (integer and not isinstance(v, int)):
+        raise ConvertError(f"config.json: {where} must be {'an integer' if integer else 'a number'}, got {v!r}")
+    if not math.isfinite(v) or (positive and v <= 0):
+        raise ConvertError(f"config.json: {where} must be {'positive' if positive else 'finite'}, got {v!r}")
+    return v
+
+
+def read_rope(cfg: dict) -> RopeSpec:
+    """RoPE of a config.json: transformers 4 (top-level rope_theta, rope_scaling with type/rope_type) or
+    transformers 5 (rope_parameters with rope_theta and rope_type, possibly per layer type). Missing values
+    default only where transformers' LlamaConfig does (rope_theta 10000 without any RoPE section;
+    original_max_position_embeddings = max_position_embeddings for llama3 / yarn)."""
+    rp, rs = cfg.get("rope_parameters"), cfg.get("rope_scaling")
+    if rp is not None and rs is not None and rp != rs:
+        raise ConvertError("config.json: both rope_parameters and rope_scaling are set and differ")
+    sec, src = (rp, "rope_parameters") if rp is not None else (rs, "rope_scaling")
+    if sec is not None and not isinstance(sec, dict):
+        raise ConvertError(f"config.json: {src} must be an object, got {sec!r}")
+    sec = dict(sec or {})
+    nested = [k for k in sec if k.endswith("_attention")]
+    if nested:   # per layer type; every LLaMA layer is full attention
+        if nested != ["full_attention"] or len(sec) != 1:
+            raise ConvertError(f"config.json: {src} per layer type {sorted(sec)} is ambiguous for LLaMA "
+                               "(only full_attention layers)")
+        lt = cfg.get("layer_types")
+        if lt is not None and (not isinstance(lt, list) or any(t != "full_attention" for t in lt)):
+            raise ConvertError(f"config.json: layer_types {lt!r} is not all full_attention (LLaMA)")
+        src += ".full_attention"
+        sec = sec["full_attention"]
+        if not isinstance(sec, dict):
+            raise ConvertError(f"config.json: {src} must be an object, got {sec!r}")
+    top_theta = cfg.get("rope_theta")
+    if "rope_theta" in sec:
+        theta = _num(f"{src}.rope_theta", sec["rope_theta"])
+        if top_theta is not None and top_theta != theta:
+            raise ConvertError(f"config.json: rope_theta {top_theta!r} differs from {src}.rope_theta {theta!r}")
+    elif top_theta is not None:
+        theta = _num("rope_theta", top_theta)
+    elif src.startswith("rope_parameters"):
+        raise ConvertError(f"config.json: {src} lacks rope_theta")
+    else:
+        theta = 10000.0   # transformers' LlamaConfig default_theta, for a config without any RoPE base
+    t1, t2 = sec.get("rope_type"), sec.get("type")
+    if t1 is not None and t2 is not None and t1 != t2:
+        raise ConvertError(f"config.json: {src}.rope_type {t1!r} differs from {src}.type {t2!r}")
+    typ = t1 if t1 is not None else t2 if t2 is not None else "default"
+    if typ not in ROPE_TYPES:
+        raise ConvertError(f"config.json: unsupported {src}.rope_type {typ!r} (supported: {', '.join(ROPE_TYPES)})")
+    prf = sec.get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
+    if prf is not None and _num(f"{src}.partial_rotary_factor", prf) != 1:
+        raise ConvertError(f"config.json: {src}.partial_rotary_factor {prf!r} is not supported (LLaMA rotates "
+                           "the whole head)")
+    if typ == "default":
+        return RopeSpec("default", float(theta))
+
+    def need(k, integer=False):
+        if sec.get(k) is None:
+            raise ConvertError(f"config.json: {src} of type {typ!r} lacks {k}")
+        return _num(f"{src}.{k}", sec[k], integer)
+
+    def opt(k):
+        return None if sec.get(k) is None else float(_num(f"{src}.{k}", sec[k]))
+
+    factor = float(need("factor"))
+    if typ == "linear":
+        return RopeSpec("linear", float(theta), factor)
+    if sec.get("original_max_position_embeddings") is None:
+        sec["original_max_position_embeddings"] = cfg.get("max_position_embeddings")
+    orig = int(need("original_max_position_embeddings", integer=True))
+    if typ == "llama3":
+        lo, hi = float(need("low_freq_factor")), float(need("high_freq_factor"))
+        if hi <= lo:
+            raise ConvertError(f"config.json: {src}.high_freq_factor {hi} must exceed low_freq_factor {lo}")
+        return RopeSpec("llama3", float(theta), factor, orig, lo, hi)
+    if sec.get("truncate", True) is not True:
+        raise ConvertError(f"config.json: {src}.truncate must be true (GGUF YaRN always truncates the "
+                           f"correction range), got {sec['truncate']!r}")
+    attn = opt("attention_factor")
+    ms, ms_all = opt("mscale"), opt("mscale_all_dim")
+    if attn is None and ms and ms_all:   # transformers' _compute_yarn_parameters
+        attn = _yarn_mscale(factor, ms) / _yarn_mscale(factor, ms_all)
+    return RopeSpec("yarn", float(theta), factor, orig, beta_fast=opt("beta_fast"), beta_slow=opt("beta_slow"),
+                    attn_factor=attn)
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def llama3_rope_factors(rope: RopeSpec, n_rot: int) -> np.ndarray:
+    """rope_freqs.weight (n_rot/2,) f32: the divisor of each pair's frequency, computed in float32 as
+    llama.cpp's converter does (LlamaModel.generate_extra_tensors)."""
+    f32 = np.float32
+    freqs = f32(1.0) / f32(rope.theta) ** (np.arange(0, n_rot, 2, dtype=np.float32) / f32(n_rot))
+    wavelen = f32(2 * math.pi) / freqs
+    lo_wl = f32(rope.orig_ctx / rope.low_freq_factor)
+    hi_wl = f32(rope.orig_ctx / rope.high_freq_factor)
+    smooth = (f32(rope.orig_ctx) / wavelen - f32(rope.low_freq_factor)) / f32(
+        rope.high_freq_factor - rope.low_freq_factor)
+    mid = f32(1) / ((f32(1) - smooth) / f32(rope.factor) + smooth)
+    out = np.where(wavelen < hi_wl, f32(1), np.where(wavelen > lo_wl, f32(rope.factor), mid))
+    return out.astype(np.float32)
 
 
 def convert_hf(hf_dir, out_path, outtype: str = "f16", force: bool = False, progress=None) -> Path:
@@ -494,10 +608,7 @@ def convert_hf(hf_dir, out_path, outtype: str = "f16", force: bool = False, prog
     head_dim = int(cfg.get("head_dim") or n_embd // n_head)
     if cfg.get("hidden_act", "silu") != "silu":
         raise ConvertError(f"unsupported hidden_act {cfg.get('hidden_act')!r}")
-    rs = cfg.get("rope_scaling") or {}
-    rs_type = rs.get("rope_type", rs.get("type"))
-    if rs and rs_type not in ("linear", "llama3", "default", None):
-        raise ConvertError(f"unsupported rope_scaling type {rs_type!r}")
+    rope = read_rope(cfg)
     tied = bool(cfg.get("tie_word_embeddings", False))
 
     try:
@@ -547,8 +658,8 @@ def convert_hf(hf_dir, out_path, outtype: str = "f16", force: bool = False, prog
         return (2, 0 if g == "output_norm.weight" else 1, g)
 
     planned: list[_PlannedTensor] = []
-    rope_factors = _llama3_rope_factors(cfg, head_dim)
-    if rope_factors is not None:
+    if rope.type == "llama3":
+        rope_factors = llama3_rope_factors(rope, head_dim)
         planned.append(_PlannedTensor("rope_freqs.weight", rope_factors.shape, QT.F32,
                                       (lambda a=rope_factors: a)))
     for hname, g in sorted(gnames.items(), key=order_key):
@@ -585,8 +696,7 @@ def convert_hf(hf_dir, out_path, outtype: str = "f16", force: bool = False, prog
         w.add_feed_forward_length(n_ff)
         w.add_head_count(n_head)
         w.add_head_count_kv(n_head_kv)
-        if cfg.get("rope_theta") is not None:
-            w.add_rope_freq_base(float(cfg["rope_theta"]))
+        w.add_rope_freq_base(rope.theta)
         w.add_layer_norm_rms_eps(float(cfg.get("rms_norm_eps", 1e-6)))
         if cfg.get("head_dim") is not None:
             w.add_key_length(head_dim)
@@ -594,9 +704,17 @@ def convert_hf(hf_dir, out_path, outtype: str = "f16", force: bool = False, prog
         w.add_file_type(int(FILE_TYPES[outtype]))
         w.add_vocab_size(vocab_size)
         w.add_rope_dimension_count(head_dim)
-        if rs_type == "linear" and "factor" in rs:
-            w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
-            w.add_rope_scaling_factor(float(rs["factor"]))
+        if rope.type in ("linear", "yarn"):   # llama.cpp's TextModel.set_gguf_parameters
+            w.add_rope_scaling_type(gguf.RopeScalingType(rope.type))
+            w.add_rope_scaling_factor(rope.factor)
+        if rope.type == "yarn":
+            w.add_rope_scaling_orig_ctx_len(rope.orig_ctx)
+            if rope.attn_factor is not None:
+                w.add_rope_scaling_yarn_attn_factor(rope.attn_factor)
+            if rope.beta_fast is not None:
+                w.add_rope_scaling_yarn_beta_fast(rope.beta_fast)
+            if rope.beta_slow is not None:
+                w.add_rope_scaling_yarn_beta_slow(rope.beta_slow)
         assert arch == w.arch
         _add_vocab(w, hf_dir, cfg)
         w.add_quantization_version(gguf.GGML_QUANT_VERSION)
@@ -846,6 +964,56 @@ def _f32_repr(v: float) -> float:
     return float(str(np.float32(v)))
 
 
+def rope_from_gguf(md: dict, freqs: np.ndarray | None, n_rot: int) -> RopeSpec:
+    """The HF RoPE section of a GGUF: metadata as llama.cpp reads it; Llama 3's parameters recovered from
+    rope_freqs.weight (only the ratios original_max_position_embeddings / low_freq_factor and / high_freq_factor
+    are fixed by the factors: low_freq_factor is taken as 1), accepted only if they regenerate the tensor exactly."""
+    theta = _f32_repr(md.get("llama.rope.freq_base", 10000.0))
+    scaling = md.get("llama.rope.scaling.type", "linear")
+    factor = _f32_repr(md.get("llama.rope.scaling.factor") or 1.0)
+    if scaling not in ("none", "linear", "yarn"):
+        raise ConvertError(f"cannot export RoPE scaling type {scaling!r} (none, linear, yarn)")
+    if freqs is not None:
+        if scaling != "none" and factor != 1.0:
+            raise ConvertError(f"cannot export rope_freqs.weight together with {scaling} scaling")
+        return _fit_llama3(np.asarray(freqs, np.float32), theta, n_rot)
+    if scaling == "yarn":
+        def opt(k):
+            v = md.get(f"llama.rope.scaling.{k}")
+            return None if v is None else _f32_repr(v)
+        orig = md.get("llama.rope.scaling.original_context_length") or md.get("llama.context_length")
+        if not orig:
+            raise ConvertError("GGUF lacks llama.rope.scaling.original_context_length for YaRN")
+        return RopeSpec("yarn", theta, factor, int(orig), beta_fast=opt("yarn_beta_fast"),
+                        beta_slow=opt("yarn_beta_slow"), attn_factor=opt("yarn_attn_factor"))
+    if scaling == "linear" and factor != 1.0:
+        return RopeSpec("linear", theta, factor)
+    return RopeSpec("default", theta)
+
+
+def _fit_llama3(ff: np.ndarray, theta: float, n_rot: int) -> RopeSpec:
+    # rope_freqs = 1 (short wavelengths), factor (long), and 1 / ((1 - s) / factor + s) between, where
+    # s = (orig / wavelen - low) / (high - low) is linear in 1 / wavelen: two points of that band fix it
+    if ff.shape != (n_rot // 2,):
+        raise ConvertError(f"rope_freqs.weight has {ff.size} factors, expected {n_rot // 2}")
+    fail = "cannot recover llama3 rope parameters from rope_freqs.weight"
+    factor = float(ff[-1])
+    band = (ff != 1.0) & (ff != ff[-1])
+    if factor <= 1.0 or band.sum() < 2:
+        raise ConvertError(f"{fail} (needs factors 1, a smoothing band of >= 2 pairs, then the factor)")
+    inv_wl = 1.0 / (2 * math.pi * theta ** (np.arange(0, n_rot, 2, dtype=np.float64) / n_rot))
+    s = (1.0 / ff[band].astype(np.float64) - 1.0 / factor) / (1.0 - 1.0 / factor)
+    P, Q = np.polyfit(inv_wl[band], s, 1)      # s = P / wavelen - Q, P = orig / (high - low), Q = low / (high - low)
+    P, Q = float(P), -float(Q)
+    if not (P > 0 and Q > 0):
+        raise ConvertError(f"{fail} (the smoothing band does not fit)")
+    orig, high = P / Q, 1.0 + 1.0 / Q
+    spec = RopeSpec("llama3", theta, _f32_repr(factor), int(round(orig)), 1.0, float(f"{high:.6g}"))
+    if not np.array_equal(llama3_rope_factors(spec, n_rot), ff):
+        raise ConvertError(f"{fail} (the best fit, {spec.hf_params()}, does not reproduce it exactly)")
+    return spec
+
+
 def export_hf(in_path, out_dir, dtype: str = "f16", force: bool = False, progress=None) -> Path:
     in_path, out_dir = Path(in_path), Path(out_dir)
     dtype = str(dtype).lower()
@@ -895,7 +1063,6 @@ def export_hf(in_path, out_dir, dtype: str = "f16", force: bool = False, progres
         "num_key_value_heads": n_head_kv,
         "max_position_embeddings": int(md.get("llama.context_length") or 2048),
         "rms_norm_eps": _f32_repr(md.get("llama.attention.layer_norm_rms_epsilon") or 1e-5),
-        "rope_theta": _f32_repr(md.get("llama.rope.freq_base") or 10000.0),
         "vocab_size": n_vocab,
         "tie_word_embeddings": tied,
         "attention_bias": "blk.0.attn_q.bias" in names,
@@ -909,14 +1076,8 @@ def export_hf(in_path, out_dir, dtype: str = "f16", force: bool = False, progres
         cfg["_name_or_path"] = str(md["general.name"])
     if md.get("llama.attention.key_length") is not None or head_dim * n_head != n_embd:
         cfg["head_dim"] = head_dim
-    if md.get("llama.rope.scaling.type") == "linear":
-        cfg["rope_scaling"] = {"type": "linear", "rope_type": "linear",
-                               "factor": float(md.get("llama.rope.scaling.factor") or 1.0)}
-    else:
-        cfg["rope_scaling"] = None
-    if "rope_freqs.weight" in names:
-        print("warning: rope_freqs.weight (llama3 rope scaling) is not exported; set rope_scaling by hand",
-              file=sys.stderr)
+    freqs = _tensor_f32(names["rope_freqs.weight"]).reshape(-1) if "rope_freqs.weight" in names else None
+    cfg["rope_parameters"] = rope_from_gguf(md, freqs, int(md.get("llama.rope.dimension_count") or head_dim)).hf_params()
     for k, key in (("bos", "bos"), ("eos", "eos"), ("pad", "padding")):
         v = md.get(f"tokenizer.ggml.{key}_token_id")
         if v is not None:
@@ -1069,7 +1230,7 @@ def _run(fn: Callable[[], Any]) -> int:
         res = fn()
     except ConvertError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 1
+        return 2
     if isinstance(res, str):
         print(res)
     return 0

@@ -41,6 +41,7 @@ class Weights:
     output_norm: np.ndarray  # (D,) f32
     output: mm.Weight       # (V, D): output.weight, or token_embd when tied
     layers: list
+    rope_freqs: np.ndarray | None = None   # (n_rot/2,) f32 rope_freqs.weight: Llama 3's per-pair frequency divisors
 
     @classmethod
     def load(cls, gf: GGUFFile, cfg: Config, q8_act: bool = True) -> "Weights":
@@ -67,7 +68,12 @@ class Weights:
                 mat(p + "ffn_gate.weight", FF, D), mat(p + "ffn_up.weight", FF, D), mat(p + "ffn_down.weight", D, FF)))
         embd = mat("token_embd.weight", V, D)
         out = mat("output.weight", V, D) if "output.weight" in gf.tensors else embd
-        return cls(embd, vec("output_norm.weight"), out, layers)
+        freqs = None
+        if "rope_freqs.weight" in gf.tensors:
+            freqs = np.array(gf.tensor("rope_freqs.weight", (cfg.rope_dims // 2,), NORM_TYPES).data, np.float32)
+            if not (np.isfinite(freqs).all() and (freqs > 0).all()):
+                raise PykvError("tensor rope_freqs.weight has non-positive or non-finite factors")
+        return cls(embd, vec("output_norm.weight"), out, layers, freqs)
 
     def nbytes(self) -> int:
         seen, total = set(), self.output_norm.nbytes
@@ -135,7 +141,9 @@ class Model:
         self.n_batch = int(n_batch)
         self.max_chunks = 8 * numba.config.NUMBA_NUM_THREADS + 2
         self.state = RunState(cfg, self.n_batch, self.max_chunks)
-        self.cos, self.sin = rope_tables(self.n_ctx, cfg.rope_dims, cfg.rope_base)
+        self.cos, self.sin = rope_tables(self.n_ctx, cfg.rope_dims, cfg.rope_base, cfg.rope_freq_scale,
+                                         self.weights.rope_freqs, cfg.yarn_ext_factor, cfg.yarn_attn_mul,
+                                         cfg.yarn_beta_fast, cfg.yarn_beta_slow, cfg.rope_orig_ctx)
         self.rotate = self._rotate_default(kv_rotate)
         self.q_mul = np.float32(1.0 / np.sqrt(cfg.head_dim))
         self.rot_sign = np.random.default_rng(ROTATE_SEED).choice(

@@ -46,11 +46,35 @@ def add_inplace(x, y):
             x[t, i] += y[t, i]
 
 
-def rope_tables(n_ctx, n_rot, base):
-    """cos/sin (n_ctx, n_rot/2) float32, computed in float64."""
+def rope_tables(n_ctx, n_rot, base, freq_scale=1.0, freq_factors=None, ext_factor=0.0, attn_factor=1.0,
+                beta_fast=32.0, beta_slow=1.0, n_ctx_orig=0):
+    """cos/sin (n_ctx, n_rot/2) float32 of ggml's rope_ext (computed in float64), arguments as ggml names them:
+    pair i at position p turns by theta = p * base^(-2i/n_rot) / freq_factors[i] (freq_factors (n_rot/2,):
+    llama3's rope_freqs.weight; None = 1), interpolated as freq_scale * theta (linear: 1/factor).
+    YaRN (ext_factor != 0): pairs below the correction range [lo, hi] (from beta_fast/beta_slow and n_ctx_orig)
+    keep theta, pairs above it take freq_scale * theta, a linear ramp between, and cos/sin are multiplied by
+    attn_factor * (1 + 0.1 ln(1/freq_scale))."""
     i = np.arange(n_rot // 2, dtype=np.float64)
-    theta = np.arange(n_ctx, dtype=np.float64)[:, None] * base ** (-2.0 * i / n_rot)[None, :]
-    return np.cos(theta).astype(np.float32), np.sin(theta).astype(np.float32)
+    theta = np.arange(n_ctx, dtype=np.float64)[:, None] * (base ** (-2.0 * i / n_rot))[None, :]
+    if freq_factors is not None:
+        theta /= np.asarray(freq_factors, np.float64)[None, :]
+    mscale = float(attn_factor)
+    if ext_factor != 0.0:
+        lo, hi = rope_yarn_corr_dims(n_rot, n_ctx_orig, base, beta_fast, beta_slow)
+        ramp = (1.0 - np.clip((i - lo) / max(0.001, hi - lo), 0.0, 1.0)) * ext_factor    # (n_rot/2,)
+        theta = theta * (freq_scale * (1.0 - ramp) + ramp)[None, :]
+        mscale *= 1.0 + 0.1 * np.log(1.0 / freq_scale)
+    else:
+        theta *= freq_scale
+    return (np.cos(theta) * mscale).astype(np.float32), (np.sin(theta) * mscale).astype(np.float32)
+
+
+def rope_yarn_corr_dims(n_rot, n_ctx_orig, base, beta_fast, beta_slow):
+    """ggml_rope_yarn_corr_dims: the pair range [lo, hi] over which YaRN ramps from extrapolation to
+    interpolation; a pair turning beta times over n_ctx_orig positions sits at n_rot ln(n_ctx_orig / (2 pi beta)) / (2 ln base)."""
+    def corr_dim(n_turns):
+        return n_rot * np.log(n_ctx_orig / (n_turns * 2.0 * np.pi)) / (2.0 * np.log(base))
+    return max(0.0, float(np.floor(corr_dim(beta_fast)))), min(n_rot - 1.0, float(np.ceil(corr_dim(beta_slow))))
 
 
 @njit(cache=True, nogil=True, inline="always")
