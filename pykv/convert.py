@@ -431,6 +431,11 @@ def _add_vocab(w: gguf.GGUFWriter, hf_dir: Path, cfg: dict) -> None:
         sv = gguf.SpecialVocab(hf_dir, load_merges=True)
         if not sv.merges:
             raise ConvertError("tokenizer.json has no BPE merges")
+        pp = tj.get("post_processor") or {}
+        if any(p.get("type") == "ByteLevel" for p in pp.get("processors", [pp])):
+            # a ByteLevel post-processor adds no BOS/EOS: newer gguf-py (llama.cpp's converter) says so
+            sv.add_special_token.setdefault("bos", False)
+            sv.add_special_token.setdefault("eos", False)
         sv.add_to_gguf(w, quiet=True)
     else:
         raise ConvertError(f"no tokenizer.json or tokenizer.model in {hf_dir}")

@@ -330,8 +330,9 @@ def test_export_bpe_roundtrip(tiny_bpe, tiny_bpe_gguf, tmp_path):
         assert np.array_equal(st.get(k), v), k  # permutation undone exactly
     cfg2 = json.loads((out / "config.json").read_text())
     for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-              "num_key_value_heads", "vocab_size", "tie_word_embeddings", "rms_norm_eps", "rope_theta"):
+              "num_key_value_heads", "vocab_size", "tie_word_embeddings", "rms_norm_eps"):
         assert cfg2[k] == cfg[k], k
+    assert cfg2["rope_parameters"] == {"rope_type": "default", "rope_theta": cfg["rope_theta"]}  # transformers 5
     tj, tj0 = json.loads((out / "tokenizer.json").read_text()), json.loads((d / "tokenizer.json").read_text())
     assert tj["model"]["vocab"] == {k: v for k, v in tj0["model"]["vocab"].items() if v >= 3}
     assert tj["model"]["merges"] == [" ".join(m) for m in tj0["model"]["merges"]]

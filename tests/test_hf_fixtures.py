@@ -199,3 +199,25 @@ def test_export_refuses_unrecoverable_llama3(converted, tmp_path):
         C.rope_from_gguf(md, freqs, 16)
     with pytest.raises(C.ConvertError, match="cannot recover llama3 rope parameters"):
         C.rope_from_gguf(md, np.array([1, 1, 1, 4, 4, 4, 4, 4], np.float32), 16)   # no smoothing band
+
+
+# ---- the metadata llama.cpp's converter writes -------------------------------------------------------
+
+def test_metadata_matches_llama_cpp_converter(converted):
+    """tests/data/llama_cpp_convert_metadata.json holds what llama.cpp's convert_hf_to_gguf.py (LlamaModel:
+    conversion/base.py TextModel.set_gguf_parameters for the rope keys, conversion/llama.py
+    generate_extra_tensors for rope_freqs.weight, gguf-py's SpecialVocab for the tokenizer keys) wrote for
+    these fixtures at --outtype f32, recorded once by tools/llama_cpp_metadata.py (llama-cpp-python 0.3.36's
+    sources). Every key and value must be ours too, and the same tensors; general.name is the folder's."""
+    want_all = json.loads((Path(__file__).parent / "data" / "llama_cpp_convert_metadata.json").read_text())
+    assert len(want_all) == 6
+    for name, want in want_all.items():
+        want = {k: v for k, v in want.items() if k != "_rope_freqs"}
+        r = gguf.GGUFReader(converted[name, "f32"])
+        got = C.gguf_metadata(r)
+        got.pop("general.name")
+        got["_tensors"] = sorted(t.name for t in r.tensors)
+        assert got == want, (name, {k for k in set(got) | set(want) if got.get(k) != want.get(k)})
+    # and the rope_freqs tensor llama.cpp computes (float32 torch) is ours bit for bit
+    f = {t.name: t for t in gguf.GGUFReader(converted["tf5_llama3", "f32"]).tensors}["rope_freqs.weight"]
+    assert np.asarray(f.data).tolist() == want_all["tf5_llama3"]["_rope_freqs"]
