@@ -221,3 +221,16 @@ def test_metadata_matches_llama_cpp_converter(converted):
     # and the rope_freqs tensor llama.cpp computes (float32 torch) is ours bit for bit
     f = {t.name: t for t in gguf.GGUFReader(converted["tf5_llama3", "f32"]).tensors}["rope_freqs.weight"]
     assert np.asarray(f.data).tolist() == want_all["tf5_llama3"]["_rope_freqs"]
+
+
+def test_runtime_reads_rope_metadata(converted):
+    from pykv.config import Config, PykvError
+    md = md_of(converted["tf4_yarn_attn", "f32"])
+    c = Config.from_metadata(md)
+    assert (c.rope_scaling, c.rope_freq_scale, c.rope_orig_ctx, c.yarn_beta_fast, c.yarn_beta_slow) == \
+           ("yarn", 0.25, 32, 16.0, 2.0)
+    assert c.yarn_ext_factor == 1.0 and c.yarn_attn_mul * (1 + 0.1 * np.log(4.0)) == pytest.approx(1.25)
+    c = Config.from_metadata(md_of(converted["tf4_linear", "f32"]))
+    assert (c.rope_scaling, c.rope_freq_scale, c.yarn_ext_factor, c.yarn_attn_mul) == ("linear", 0.5, 0.0, 1.0)
+    with pytest.raises(PykvError, match="unsupported RoPE scaling type 'longrope'"):
+        Config.from_metadata(dict(md, **{"llama.rope.scaling.type": "longrope"}))
