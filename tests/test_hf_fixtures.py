@@ -153,7 +153,8 @@ def test_bad_rope_cli_exit_2(tmp_path):
     p = subprocess.run([sys.executable, "-m", "pykv", "convert", str(d), str(tmp_path / "x.gguf")],
                        capture_output=True, text=True, cwd=Path(__file__).parents[1], timeout=300)
     assert p.returncode == 2
-    assert p.stderr.strip() == "error: config.json: rope_parameters.factor must be a number, got 'x'"
+    err = p.stderr.strip()
+    assert "\n" not in err and err.endswith("error: config.json: rope_parameters.factor must be a number, got 'x'")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
 
 
