@@ -27,14 +27,12 @@ Pools (one per layer, K and V):  uint8[KVH, n_pages, P * row_bytes]  (token-majo
 Residual (KIVI types only): uint8[KVH, P, 2 * HD] f16 rows of the sequence's newest, not yet full page.
 """
 import numpy as np
-from llvmlite import ir
-from numba import njit, prange, types
-from numba.extending import intrinsic
+from numba import njit, prange
 
 from ..formats import (CODE_BF16, CODE_F16, CODE_F32, CODE_FP8_E4M3, CODE_FP8_E5M2, CODE_INT2,
                        CODE_INT4, CODE_IQ4_NL, CODE_Q4_0, CODE_Q4_1, CODE_Q5_0, CODE_Q5_1, CODE_Q8_0)
-from .kvquant import KVALUES_IQ4NL, bits_f32
-from .simd import deq_q4_0, deq_q4_1, deq_q8_0, prefetch
+from .kvquant import KVALUES_IQ4NL
+from .simd import bits_f32, deq_q4_0, deq_q4_1, deq_q8_0, h2f, prefetch
 
 TILE = 32          # keys per segment (the f32 K and V tiles: TILE x HD floats each)
 PF_AHEAD = 2       # segments ahead whose pool rows are prefetched
@@ -48,26 +46,9 @@ U = np.uint64
 # scalar helpers
 # ----------------------------------------------------------------------------------------------
 
-@intrinsic
-def _h2f(typingctx, x):
-    """IEEE half bits (any integer type, low 16 bits) -> float32, exact (inf / NaN / subnormals
-    included) via LLVM `fpext half`: one vcvtph2ps lane on x86 with F16C, vectorized in loops."""
-    if isinstance(x, types.Integer):
-        def codegen(context, builder, sig, args):
-            v = args[0]
-            w = v.type.width
-            if w > 16:
-                v = builder.trunc(v, ir.IntType(16))
-            elif w < 16:
-                v = builder.zext(v, ir.IntType(16))
-            return builder.fpext(builder.bitcast(v, ir.HalfType()), ir.FloatType())
-        return types.float32(x), codegen
-    return None
-
-
 @njit(cache=True, inline="always")
 def _f16(src, o):
-    return _h2f(np.uint16(src[o]) | (np.uint16(src[o + U(1)]) << np.uint16(8)))
+    return h2f(np.uint16(src[o]) | (np.uint16(src[o + U(1)]) << np.uint16(8)))
 
 
 @njit(cache=True, inline="always")
@@ -174,7 +155,7 @@ def _deq_tile(code, src, o0, rb, n, out):
             o = U(o0 + r * rb)
             s = _f32(src, o)
             for i in range(HD):
-                out[r, U(i)] = _h2f(np.uint16(src[o + U(4 + i)]) << np.uint16(8)) * s
+                out[r, U(i)] = h2f(np.uint16(src[o + U(4 + i)]) << np.uint16(8)) * s
     elif code == CODE_FP8_E4M3:
         # S.EEEE.MMM -> f16 S.0EEEE.MMM0000000 = value * 2^-8 (subnormals too); 0x7F / 0xFF are NaN
         for r in range(n):
@@ -182,7 +163,7 @@ def _deq_tile(code, src, o0, rb, n, out):
             s = _f32(src, o) * np.float32(256.0)
             for i in range(HD):
                 b = np.uint16(src[o + U(4 + i)])
-                v = _h2f(((b & np.uint16(0x80)) << np.uint16(8)) | ((b & np.uint16(0x7F)) << np.uint16(7)))
+                v = h2f(((b & np.uint16(0x80)) << np.uint16(8)) | ((b & np.uint16(0x7F)) << np.uint16(7)))
                 out[r, U(i)] = v * s if (b & np.uint16(0x7F)) != np.uint16(0x7F) else np.float32(np.nan)
     elif code == CODE_F32:
         for r in range(n):

@@ -41,36 +41,15 @@ does not call these row kernels: it decodes whole tiles of K / V rows itself (at
 from __future__ import annotations
 
 import numpy as np
-from llvmlite import ir
-from numba import njit, prange, types
-from numba.extending import intrinsic
+from numba import njit, prange
 
 from ..formats import (CODE_BF16, CODE_F16, CODE_F32, CODE_FP8_E4M3, CODE_FP8_E5M2, CODE_INT2,
                        CODE_INT4, CODE_IQ4_NL, CODE_Q4_0, CODE_Q4_1, CODE_Q5_0, CODE_Q5_1, CODE_Q8_0)
+from .simd import bits_f32, f32_bits, h2f
 
 # ----------------------------------------------------------------------------------------------
 # bit casts and scalar helpers
 # ----------------------------------------------------------------------------------------------
-
-
-@intrinsic
-def f32_bits(typingctx, x):
-    """Reinterpret a float32 as uint32."""
-    if isinstance(x, types.Float) and x.bitwidth == 32:
-        def codegen(context, builder, sig, args):
-            return builder.bitcast(args[0], ir.IntType(32))
-        return types.uint32(types.float32), codegen
-    return None
-
-
-@intrinsic
-def bits_f32(typingctx, u):
-    """Reinterpret a uint32 as float32."""
-    if isinstance(u, types.Integer) and u.bitwidth == 32:
-        def codegen(context, builder, sig, args):
-            return builder.bitcast(args[0], ir.FloatType())
-        return types.float32(u), codegen
-    return None
 
 
 @njit(cache=True)
@@ -114,21 +93,6 @@ def f32_to_f16_bits(x):
 
 
 @njit(cache=True)
-def f16_bits_to_f32(h):
-    """IEEE half bits -> float32 (exact)."""
-    h = np.int64(h)
-    s = (h & 0x8000) << 16
-    e = (h >> 10) & 0x1F
-    m = h & 0x3FF
-    if e == 0:
-        v = np.float32(m) * np.float32(5.9604644775390625e-08)  # m * 2^-24, exact
-        return -v if s != 0 else v
-    if e == 31:
-        return bits_f32(_u32(s | 0x7F800000 | (m << 13)))
-    return bits_f32(_u32(s | ((e + 112) << 23) | (m << 13)))
-
-
-@njit(cache=True)
 def f16_next_down(h):
     if h == 0:
         return 0x8001
@@ -148,7 +112,7 @@ def f16_next_up(h):
 
 @njit(cache=True)
 def rd_f16(buf, o):
-    return f16_bits_to_f32(np.int64(buf[o]) | (np.int64(buf[o + 1]) << 8))
+    return h2f(np.int64(buf[o]) | (np.int64(buf[o + 1]) << 8))
 
 
 @njit(cache=True)
@@ -476,16 +440,16 @@ def _q_fp8(x, dst, e4m3):
 def kivi_params(mn, mx, qmax):
     """(d16, m16, d, m): m = f16 rounded down from mn, d = f16 rounded up so m + qmax*d >= mx."""
     m16 = f32_to_f16_bits(mn)
-    m = f16_bits_to_f32(m16)
+    m = h2f(m16)
     if m > mn:
         m16 = f16_next_down(m16)
-        m = f16_bits_to_f32(m16)
+        m = h2f(m16)
     d = (mx - m) / np.float32(qmax)
     d16 = f32_to_f16_bits(d)
-    df = f16_bits_to_f32(d16)
+    df = h2f(d16)
     if df < d:
         d16 = f16_next_up(d16)
-        df = f16_bits_to_f32(d16)
+        df = h2f(d16)
     return d16, m16, df, m
 
 
