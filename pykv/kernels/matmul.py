@@ -49,7 +49,8 @@ from gguf import GGMLQuantizationType as _GT
 
 from .simd import HAS_VNNI, TILE_ROWS, dot_tile_q4, dot_tile_q8, h2f
 
-__all__ = ["Weight", "Act", "prepare_weight", "matmul", "matmul_fused", "get_rows", "set_exact", "SUPPORTED_TYPES"]
+__all__ = ["Weight", "Act", "prepare_weight", "matmul", "matmul_fused", "get_rows", "set_exact", "quantize_act_q8",
+           "SUPPORTED_TYPES"]
 
 # fast-math without nnan/ninf (keeps inf/nan semantics honest) and without denormal flushing
 _FM = {"contract", "reassoc", "nsz", "arcp"}
@@ -266,12 +267,13 @@ def _act_set(x, T, X, XQ, XD, XS, XF):
     for t in range(T):
         for j in range(cols):
             X[t, j] = x[t, j]
-    _act_q8(X, T, XQ, XD, XS, XF)
+    quantize_act_q8(X, T, XQ, XD, XS, XF)
 
 
 @njit(cache=True, nogil=True, fastmath=_FM)
-def _act_q8(x, T, XQ, XD, XS, XF):
-    """q8 blocks of x[:T]: XQ int8 codes, XD scales, XS int code sums, XF float sums."""
+def quantize_act_q8(x, T, XQ, XD, XS, XF):
+    """q8 blocks of x[:T] (the one activation quantizer; llama.cpp's q8_0 / q8_1 scheme): XQ int8 codes,
+    XD scales amax / 127, XS int code sums, XF float sums."""
     nb = XD.shape[1]
     if nb == 0:
         return
@@ -552,7 +554,7 @@ _VNNI_TB = 16      # prefill: tokens per work item (a tile's weights stay in L1/
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=_FM)
 def _mm_vnni(q4, qt, sc, rows, T, X, XQ, XD, XS, XF, tail, out):
-    _act_q8(X, T, XQ, XD, XS, XF)
+    quantize_act_q8(X, T, XQ, XD, XS, XF)
     nt, nb, R = qt.shape[0], qt.shape[1], qt.shape[3]
     ntb = (T + _VNNI_TB - 1) // _VNNI_TB
     for it in prange(nt * ntb):
@@ -572,7 +574,7 @@ def _mm_vnni(q4, qt, sc, rows, T, X, XQ, XD, XS, XF, tail, out):
 @njit(cache=True, nogil=True, parallel=True, fastmath=_FM)
 def _mm_vnni_3(qa, sa, oa, qb, sb, ob, qc, sc, oc, T, X, XQ, XD, XS, XF):
     """Three full-tile Q4 VNNI weights sharing X (Q/K/V, or gate/up with qc empty): one region."""
-    _act_q8(X, T, XQ, XD, XS, XF)
+    quantize_act_q8(X, T, XQ, XD, XS, XF)
     na, nb_ = qa.shape[0], qb.shape[0]
     nblk, R = qa.shape[1], qa.shape[3]
     ntb = (T + _VNNI_TB - 1) // _VNNI_TB
