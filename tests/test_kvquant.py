@@ -12,6 +12,7 @@ from gguf import quants as gq
 
 from pykv import formats as F
 from pykv.kernels import kvquant as K
+from pykv.kernels.blocks import deq_kivi_k_rows
 from pykv.kernels.simd import deq_q4_0, deq_q4_1, deq_q8_0
 
 GGML = ["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl"]
@@ -334,7 +335,27 @@ def test_quantize_rows_whole_tensor(fmt):
 # fp8
 # ------------------------------------------------------------------------------------------------
 
-FP8 = {"fp8_e4m3": (K.FP8_E4M3_TABLE, 448.0, 3, -6, 0x7E), "fp8_e5m2": (K.FP8_E5M2_TABLE, 57344.0, 2, -14, 0x7B)}
+def fp8_table(ebits, mbits, bias, has_inf):
+    """The 256 values of an OCP fp8 format, from its definition."""
+    t = np.zeros(256, dtype=np.float32)
+    for c in range(256):
+        s = -1.0 if c & 0x80 else 1.0
+        e = (c >> mbits) & ((1 << ebits) - 1)
+        m = c & ((1 << mbits) - 1)
+        emax = (1 << ebits) - 1
+        if has_inf and e == emax:
+            t[c] = s * np.inf if m == 0 else np.nan
+        elif (not has_inf) and e == emax and m == (1 << mbits) - 1:
+            t[c] = np.nan
+        elif e == 0:
+            t[c] = s * m * 2.0 ** (1 - bias - mbits)
+        else:
+            t[c] = s * (1 + m / (1 << mbits)) * 2.0 ** (e - bias)
+    return t
+
+
+FP8 = {"fp8_e4m3": (fp8_table(4, 3, 7, False), 448.0, 3, -6, 0x7E),
+       "fp8_e5m2": (fp8_table(5, 2, 15, True), 57344.0, 2, -14, 0x7B)}
 
 
 def ref_fp8_codes(v, table, max_mag):
@@ -415,8 +436,7 @@ def test_kivi_key_pages(bits, P):
         m = page[2 * hd:4 * hd].view(np.float16).astype(np.float64)
         assert (m <= xk.min(axis=0)).all()
         deq = np.empty((P, hd), np.float32)
-        for t in range(P):
-            K.kivi_dequant_k(bits, page, t, P, deq[t])
+        deq_kivi_k_rows(bits, page, 0, P, deq, np.empty(hd, np.float32), np.empty(hd, np.float32))
         err = np.abs(deq - xk.astype(np.float64))
         assert (err <= d[None, :] / 2 + 1e-6 * np.abs(xk).max()).all()
         # codes decode as documented (token-major, groups of 32 channels)

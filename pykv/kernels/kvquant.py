@@ -4,13 +4,12 @@ Every kernel dispatches on the integer format code of ``pykv.formats`` (``CODE_*
 row in a ``uint8`` buffer:
 
     quantize_row(code, x f32[HD], dst u8[row_bytes])            once per token on append
-    dequantize_row(code, src u8[row_bytes], out f32[HD])        KIVI page flushes, tests
+    dequantize_row(code, src u8[row_bytes], out f32[HD])        KIVI page flushes (kernels.blocks.deq_rows)
     quantize_rows(code, X f32[N, HD], dst u8[N, row_bytes])      prange over rows (convert tool)
 
 KIVI keys live in pages (per channel across the P tokens of a page):
 
-    kivi_quantize_kpage(bits, xk f32[P, HD], dst u8[page_bytes])
-    kivi_dequant_k(bits, page, t, P, out f32[HD])
+    kivi_quantize_kpage(bits, xk f32[P, HD], dst u8[page_bytes])   (decoded by kernels.blocks.deq_kivi_k_rows)
 
 Byte layouts (little endian):
   f32 / f16 / bf16: the values.  f16 rounding = numpy astype(float16) (RNE, numpy's NaN mapping);
@@ -36,7 +35,8 @@ Byte layouts (little endian):
     token's key contiguous, so a dot is one contiguous pass over HD*bits/8 bytes.
 
 Float arithmetic here is compiled without fast-math (bit-exactness).  Attention (kernels.attention)
-does not call these row kernels: it decodes whole tiles of K / V rows itself (attention._deq_tile).
+does not call these row kernels: it decodes tiles of K / V rows with kernels.blocks.deq_rows, the
+decoders dequantize_row uses.
 """
 from __future__ import annotations
 
@@ -45,6 +45,7 @@ from numba import njit, prange
 
 from ..formats import (CODE_BF16, CODE_F16, CODE_F32, CODE_FP8_E4M3, CODE_FP8_E5M2, CODE_INT2,
                        CODE_INT4, CODE_IQ4_NL, CODE_Q4_0, CODE_Q4_1, CODE_Q5_0, CODE_Q5_1, CODE_Q8_0)
+from .blocks import IQ4NL_F, deq_rows
 from .simd import bits_f32, f32_bits, h2f
 
 # ----------------------------------------------------------------------------------------------
@@ -111,11 +112,6 @@ def f16_next_up(h):
 
 
 @njit(cache=True)
-def rd_f16(buf, o):
-    return h2f(np.int64(buf[o]) | (np.int64(buf[o + 1]) << 8))
-
-
-@njit(cache=True)
 def wr_u16(buf, o, h):
     buf[o] = np.uint8(h & 0xFF)
     buf[o + 1] = np.uint8((h >> 8) & 0xFF)
@@ -124,13 +120,6 @@ def wr_u16(buf, o, h):
 @njit(cache=True)
 def wr_f16(buf, o, x):
     wr_u16(buf, o, f32_to_f16_bits(x))
-
-
-@njit(cache=True)
-def rd_f32(buf, o):
-    u = (np.int64(buf[o]) | (np.int64(buf[o + 1]) << 8) | (np.int64(buf[o + 2]) << 16)
-         | (np.int64(buf[o + 3]) << 24))
-    return bits_f32(_u32(u))
 
 
 @njit(cache=True)
@@ -170,11 +159,6 @@ def bf16_bits(x):
         n = (n & 0xFFFF0000) | (64 << 16)
     n = (n + (0x7FFF + ((n >> 16) & 1))) >> 16
     return n & 0xFFFF
-
-
-@njit(cache=True)
-def bf16_to_f32(buf, o):
-    return bits_f32(_u32((np.int64(buf[o]) | (np.int64(buf[o + 1]) << 8)) << 16))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -281,15 +265,10 @@ def _qblk_q5_1(x, xo, dst, do):
         dst[do + 4 + k] = np.uint8((qh >> (8 * k)) & 0xFF)
 
 
-KVALUES_IQ4NL = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113],
-                         dtype=np.int8)
-_KV_IQ4NL_F = KVALUES_IQ4NL.astype(np.float32)
-
-
 @njit(cache=True)
 def _best_index_iq4nl(x):
     """ggml best_index_int8 over the iq4_nl table, float32 arithmetic."""
-    val = _KV_IQ4NL_F
+    val = IQ4NL_F
     if x <= val[0]:
         return 0
     if x >= val[15]:
@@ -309,7 +288,7 @@ def _best_index_iq4nl(x):
 
 @njit(cache=True)
 def _iq4nl_sums(x, xo, idd):
-    val = _KV_IQ4NL_F
+    val = IQ4NL_F
     sumqx = np.float32(0.0)
     sumq2 = np.float32(0.0)
     for j in range(32):
@@ -323,7 +302,7 @@ def _iq4nl_sums(x, xo, idd):
 
 @njit(cache=True)
 def _qblk_iq4_nl(x, xo, dst, do, ntry):
-    val = _KV_IQ4NL_F
+    val = IQ4NL_F
     mx = _absmax_signed(x, xo, 32)
     if abs(mx) < np.float32(1e-15):
         wr_u16(dst, do, 0)
@@ -359,26 +338,6 @@ def _qblk_iq4_nl(x, xo, dst, do, ntry):
 # fp8 (OCP e4m3fn / e5m2), per-row f32 scale
 # ----------------------------------------------------------------------------------------------
 
-def _fp8_table(ebits, mbits, bias, has_inf):
-    t = np.zeros(256, dtype=np.float32)
-    for c in range(256):
-        s = -1.0 if c & 0x80 else 1.0
-        e = (c >> mbits) & ((1 << ebits) - 1)
-        m = c & ((1 << mbits) - 1)
-        emax = (1 << ebits) - 1
-        if has_inf and e == emax:
-            t[c] = s * np.inf if m == 0 else np.nan
-        elif (not has_inf) and e == emax and m == (1 << mbits) - 1:
-            t[c] = np.nan
-        elif e == 0:
-            t[c] = s * m * 2.0 ** (1 - bias - mbits)
-        else:
-            t[c] = s * (1 + m / (1 << mbits)) * 2.0 ** (e - bias)
-    return t
-
-
-FP8_E4M3_TABLE = _fp8_table(4, 3, 7, False)
-FP8_E5M2_TABLE = _fp8_table(5, 2, 15, True)
 FP8_E4M3_MAX = np.float32(448.0)
 FP8_E5M2_MAX = np.float32(57344.0)
 
@@ -546,87 +505,7 @@ def quantize_row(code, x, dst):
 
 @njit(cache=True)
 def dequantize_row(code, src, out):
-    n = out.shape[0]
-    if code == CODE_F32:
-        for j in range(n):
-            out[j] = rd_f32(src, 4 * j)
-    elif code == CODE_F16:
-        for j in range(n):
-            out[j] = rd_f16(src, 2 * j)
-    elif code == CODE_BF16:
-        for j in range(n):
-            out[j] = bf16_to_f32(src, 2 * j)
-    elif code == CODE_Q8_0:
-        for b in range(n // 32):
-            o = 34 * b
-            d = rd_f16(src, o)
-            for j in range(32):
-                out[32 * b + j] = np.float32(np.int8(src[o + 2 + j])) * d
-    elif code == CODE_Q4_0 or code == CODE_IQ4_NL:
-        for b in range(n // 32):
-            o = 18 * b
-            d = rd_f16(src, o)
-            for j in range(16):
-                v = np.int64(src[o + 2 + j])
-                if code == CODE_Q4_0:
-                    out[32 * b + j] = d * np.float32((v & 0xF) - 8)
-                    out[32 * b + 16 + j] = d * np.float32((v >> 4) - 8)
-                else:
-                    out[32 * b + j] = d * _KV_IQ4NL_F[v & 0xF]
-                    out[32 * b + 16 + j] = d * _KV_IQ4NL_F[v >> 4]
-    elif code == CODE_Q4_1:
-        for b in range(n // 32):
-            o = 20 * b
-            d = rd_f16(src, o)
-            m = rd_f16(src, o + 2)
-            for j in range(16):
-                v = np.int64(src[o + 4 + j])
-                out[32 * b + j] = d * np.float32(v & 0xF) + m
-                out[32 * b + 16 + j] = d * np.float32(v >> 4) + m
-    elif code == CODE_Q5_0 or code == CODE_Q5_1:
-        asym = code == CODE_Q5_1
-        bb = 24 if asym else 22
-        for b in range(n // 32):
-            o = bb * b
-            d = rd_f16(src, o)
-            m = rd_f16(src, o + 2) if asym else np.float32(0.0)
-            ho = o + 4 if asym else o + 2
-            qh = (np.int64(src[ho]) | (np.int64(src[ho + 1]) << 8) | (np.int64(src[ho + 2]) << 16)
-                  | (np.int64(src[ho + 3]) << 24))
-            for j in range(16):
-                v = np.int64(src[ho + 4 + j])
-                q0 = (v & 0xF) | (((qh >> j) & 1) << 4)
-                q1 = (v >> 4) | (((qh >> (j + 16)) & 1) << 4)
-                if asym:
-                    out[32 * b + j] = d * np.float32(q0) + m
-                    out[32 * b + 16 + j] = d * np.float32(q1) + m
-                else:
-                    out[32 * b + j] = d * np.float32(q0 - 16)
-                    out[32 * b + 16 + j] = d * np.float32(q1 - 16)
-    elif code == CODE_FP8_E4M3 or code == CODE_FP8_E5M2:
-        tab = FP8_E4M3_TABLE if code == CODE_FP8_E4M3 else FP8_E5M2_TABLE
-        s = rd_f32(src, 0)
-        for j in range(n):
-            out[j] = tab[src[4 + j]] * s
-    elif code == CODE_INT4 or code == CODE_INT2:
-        bits = 4 if code == CODE_INT4 else 2
-        gb = 4 + 4 * bits
-        for g in range(n // 32):
-            o = gb * g
-            d = rd_f16(src, o)
-            m = rd_f16(src, o + 2)
-            if bits == 4:
-                for j in range(16):
-                    v = np.int64(src[o + 4 + j])
-                    out[32 * g + j] = np.float32(v & 0xF) * d + m
-                    out[32 * g + 16 + j] = np.float32(v >> 4) * d + m
-            else:
-                for j in range(8):
-                    v = np.int64(src[o + 4 + j])
-                    for k in range(4):
-                        out[32 * g + 8 * k + j] = np.float32((v >> (2 * k)) & 3) * d + m
-    else:
-        raise ValueError("unknown KV format code")
+    deq_rows(code, src, 0, 0, 1, out.reshape(1, out.shape[0]))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -683,25 +562,3 @@ def kivi_quantize_kpage(bits, xk, dst):
                     dst[o + 8 * g + j] = np.uint8(codes[t, c0 + j] | (codes[t, c0 + 8 + j] << 2)
                                                   | (codes[t, c0 + 16 + j] << 4)
                                                   | (codes[t, c0 + 24 + j] << 6))
-
-
-@njit(cache=True)
-def kivi_dequant_k(bits, page, t, P, out):
-    hd = out.shape[0]
-    o = 4 * hd + t * (hd * bits // 8)
-    for g in range(hd // 32):
-        c0 = 32 * g
-        if bits == 4:
-            for j in range(16):
-                v = np.int64(page[o + 16 * g + j])
-                c = c0 + j
-                out[c] = np.float32(v & 0xF) * rd_f16(page, 2 * c) + rd_f16(page, 2 * hd + 2 * c)
-                c = c0 + 16 + j
-                out[c] = np.float32(v >> 4) * rd_f16(page, 2 * c) + rd_f16(page, 2 * hd + 2 * c)
-        else:
-            for j in range(8):
-                v = np.int64(page[o + 8 * g + j])
-                for k in range(4):
-                    c = c0 + 8 * k + j
-                    out[c] = (np.float32((v >> (2 * k)) & 3) * rd_f16(page, 2 * c)
-                              + rd_f16(page, 2 * hd + 2 * c))

@@ -47,6 +47,7 @@ import numba
 
 from gguf import GGMLQuantizationType as _GT
 
+from .blocks import deq_bf16, deq_f16, deq_f32, deq_q4_0, deq_q4_1, deq_q5_0, deq_q5_1, deq_q8_0, rd_f16
 from .simd import HAS_VNNI, TILE_ROWS, dot_tile_q4, dot_tile_q8, h2f
 
 __all__ = ["Weight", "Act", "prepare_weight", "matmul", "matmul_fused", "get_rows", "set_exact", "quantize_act_q8",
@@ -82,11 +83,6 @@ def set_exact(flag: bool) -> None:
 # ----------------------------------------------------------------------------------------------------
 
 @njit(cache=True, nogil=True, inline="always")
-def _rd16(w, o):
-    return np.int32(w[o]) | (np.int32(w[o + 1]) << 8)
-
-
-@njit(cache=True, nogil=True, inline="always")
 def _k_scale_min(w, o, s):
     """6-bit (scale, min) of sub-block s (0..7) from the 12 packed bytes at w[o:o+12] (Q4_K/Q5_K)."""
     if s < 4:
@@ -99,74 +95,41 @@ def _k_scale_min(w, o, s):
 
 
 # ----------------------------------------------------------------------------------------------------
-# row dequantization (bit-exact with gguf.quants.dequantize: same float32 operations, no FMA contraction)
+# row dequantization (bit-exact with gguf.quants.dequantize: same float32 operations, no FMA contraction;
+# the 32-blocks and float rows through kernels.blocks, the K-quants here)
 # ----------------------------------------------------------------------------------------------------
 
 @njit(cache=True, nogil=True)
 def _deq_row(kind, w, y):
     n = y.shape[0]
     if kind == F32:
-        for j in range(n):
-            y[j] = np.uint32(np.uint32(w[4 * j]) | (np.uint32(w[4 * j + 1]) << np.uint32(8))
-                             | (np.uint32(w[4 * j + 2]) << np.uint32(16))
-                             | (np.uint32(w[4 * j + 3]) << np.uint32(24))).view(np.float32)
+        deq_f32(w, 0, n, y, 0)
     elif kind == F16:
-        for j in range(n):
-            y[j] = h2f(_rd16(w, 2 * j))
+        deq_f16(w, 0, n, y, 0)
     elif kind == BF16:
-        for j in range(n):
-            y[j] = np.uint32(np.uint32(_rd16(w, 2 * j)) << np.uint32(16)).view(np.float32)
+        deq_bf16(w, 0, n, y, 0)
     elif kind == Q8_0:
         for b in range(n // 32):
-            o = 34 * b
-            d = h2f(_rd16(w, o))
-            for j in range(32):
-                y[32 * b + j] = d * np.float32(np.int8(w[o + 2 + j]))
+            deq_q8_0(w, 34 * b, y, 32 * b)
     elif kind == Q4_0:
         for b in range(n // 32):
-            o = 18 * b
-            d = h2f(_rd16(w, o))
-            for j in range(16):
-                v = np.int32(w[o + 2 + j])
-                y[32 * b + j] = d * np.float32((v & 15) - 8)
-                y[32 * b + j + 16] = d * np.float32((v >> 4) - 8)
+            deq_q4_0(w, 18 * b, y, 32 * b)
     elif kind == Q4_1:
         for b in range(n // 32):
-            o = 20 * b
-            d = h2f(_rd16(w, o))
-            m = h2f(_rd16(w, o + 2))
-            for j in range(16):
-                v = np.int32(w[o + 4 + j])
-                y[32 * b + j] = d * np.float32(v & 15) + m
-                y[32 * b + j + 16] = d * np.float32(v >> 4) + m
-    elif kind == Q5_0 or kind == Q5_1:
-        bs = 22 if kind == Q5_0 else 24
+            deq_q4_1(w, 20 * b, y, 32 * b)
+    elif kind == Q5_0:
         for b in range(n // 32):
-            o = bs * b
-            d = h2f(_rd16(w, o))
-            m = np.float32(0.0)
-            if kind == Q5_1:
-                m = h2f(_rd16(w, o + 2))
-                o += 2
-            qh = (np.int64(w[o + 2]) | (np.int64(w[o + 3]) << 8) | (np.int64(w[o + 4]) << 16)
-                  | (np.int64(w[o + 5]) << 24))
-            for j in range(16):
-                v = np.int32(w[o + 6 + j])
-                lo = (v & 15) | np.int32(((qh >> j) & 1) << 4)
-                hi = (v >> 4) | np.int32(((qh >> (j + 16)) & 1) << 4)
-                if kind == Q5_0:
-                    y[32 * b + j] = d * np.float32(lo - 16)
-                    y[32 * b + j + 16] = d * np.float32(hi - 16)
-                else:
-                    y[32 * b + j] = d * np.float32(lo) + m
-                    y[32 * b + j + 16] = d * np.float32(hi) + m
+            deq_q5_0(w, 22 * b, y, 32 * b)
+    elif kind == Q5_1:
+        for b in range(n // 32):
+            deq_q5_1(w, 24 * b, y, 32 * b)
     elif kind == Q4_K or kind == Q5_K:
         bs = 144 if kind == Q4_K else 176
         qo = 16 if kind == Q4_K else 48
         for b in range(n // 256):
             o = bs * b
-            d = h2f(_rd16(w, o))
-            dmin = h2f(_rd16(w, o + 2))
+            d = rd_f16(w, o)
+            dmin = rd_f16(w, o + 2)
             for s in range(8):
                 sc, mn = _k_scale_min(w, o + 4, s)
                 ds = d * np.float32(sc)
@@ -181,7 +144,7 @@ def _deq_row(kind, w, y):
     elif kind == Q6_K:
         for b in range(n // 256):
             o = 210 * b
-            d = h2f(_rd16(w, o + 208))
+            d = rd_f16(w, o + 208)
             for h in range(2):
                 for k in range(4):
                     for l in range(32):
@@ -333,7 +296,7 @@ def _dot_q8_generic(kind, w, xq, xd, xs):
             isum = np.int32(0)
             for j in range(32):
                 isum += np.int32(np.int8(w[o + 2 + j])) * np.int32(xq[32 * b + j])
-            acc += h2f(_rd16(w, o)) * xd[b] * np.float32(isum)
+            acc += rd_f16(w, o) * xd[b] * np.float32(isum)
     elif kind == Q4_0:
         for b in range(nb):
             o = 18 * b
@@ -341,7 +304,7 @@ def _dot_q8_generic(kind, w, xq, xd, xs):
             for j in range(16):
                 v = np.int32(w[o + 2 + j])
                 isum += (v & 15) * np.int32(xq[32 * b + j]) + (v >> 4) * np.int32(xq[32 * b + j + 16])
-            acc += h2f(_rd16(w, o)) * xd[b] * np.float32(isum - 8 * xs[b])
+            acc += rd_f16(w, o) * xd[b] * np.float32(isum - 8 * xs[b])
     elif kind == Q4_1:
         for b in range(nb):
             o = 20 * b
@@ -349,7 +312,7 @@ def _dot_q8_generic(kind, w, xq, xd, xs):
             for j in range(16):
                 v = np.int32(w[o + 4 + j])
                 isum += (v & 15) * np.int32(xq[32 * b + j]) + (v >> 4) * np.int32(xq[32 * b + j + 16])
-            acc += xd[b] * (h2f(_rd16(w, o)) * np.float32(isum) + h2f(_rd16(w, o + 2)) * np.float32(xs[b]))
+            acc += xd[b] * (rd_f16(w, o) * np.float32(isum) + rd_f16(w, o + 2) * np.float32(xs[b]))
     elif kind == Q5_0 or kind == Q5_1:
         bs = 22 if kind == Q5_0 else 24
         ho = 2 if kind == Q5_0 else 4
@@ -363,18 +326,18 @@ def _dot_q8_generic(kind, w, xq, xd, xs):
                 lo = (v & 15) | np.int32(((qh >> j) & 1) << 4)
                 hi = (v >> 4) | np.int32(((qh >> (j + 16)) & 1) << 4)
                 isum += lo * np.int32(xq[32 * b + j]) + hi * np.int32(xq[32 * b + j + 16])
-            d = h2f(_rd16(w, o))
+            d = rd_f16(w, o)
             if kind == Q5_0:
                 acc += d * xd[b] * np.float32(isum - 16 * xs[b])
             else:
-                acc += xd[b] * (d * np.float32(isum) + h2f(_rd16(w, o + 2)) * np.float32(xs[b]))
+                acc += xd[b] * (d * np.float32(isum) + rd_f16(w, o + 2) * np.float32(xs[b]))
     elif kind == Q4_K or kind == Q5_K:
         bs = 144 if kind == Q4_K else 176
         qo = 16 if kind == Q4_K else 48
         for sb in range(nb // 8):
             o = bs * sb
-            d = h2f(_rd16(w, o))
-            dmin = h2f(_rd16(w, o + 2))
+            d = rd_f16(w, o)
+            dmin = rd_f16(w, o + 2)
             sacc = np.float32(0.0)
             macc = np.float32(0.0)
             for s in range(8):
@@ -395,7 +358,7 @@ def _dot_q8_generic(kind, w, xq, xd, xs):
     elif kind == Q6_K:
         for sb in range(nb // 8):
             o = 210 * sb
-            d = h2f(_rd16(w, o + 208))
+            d = rd_f16(w, o + 208)
             sacc = np.float32(0.0)
             for h in range(2):
                 for k in range(4):
