@@ -7,6 +7,12 @@ row in a ``uint8`` buffer:
     dequantize_row(code, src u8[row_bytes], out f32[HD])        KIVI page flushes (kernels.blocks.deq_rows)
     quantize_rows(code, X f32[N, HD], dst u8[N, row_bytes])      prange over rows (convert tool)
 
+The paged cache (pykv.kv_cache) appends through three kernels built on them:
+
+    append_rows(x f32[T, KVH, HD], pool, page_table, start, P, code)   tokens into their page slots
+    write_residual(x, res, start, P, rcode)                             f16 rows (sinks, KIVI window)
+    flush_residual(res, r0, pool, page, P, rcode, code, kbits, tmp)     a full residual page -> pool
+
 KIVI keys live in pages (per channel across the P tokens of a page):
 
     kivi_quantize_kpage(bits, xk f32[P, HD], dst u8[page_bytes])   (decoded by kernels.blocks.deq_kivi_k_rows)
@@ -562,3 +568,46 @@ def kivi_quantize_kpage(bits, xk, dst):
                     dst[o + 8 * g + j] = np.uint8(codes[t, c0 + j] | (codes[t, c0 + 8 + j] << 2)
                                                   | (codes[t, c0 + 16 + j] << 4)
                                                   | (codes[t, c0 + 24 + j] << 6))
+
+
+# ----------------------------------------------------------------------------------------------
+# the paged cache (pykv.kv_cache): token rows into pages, the f16 residual rows, page flushes
+# ----------------------------------------------------------------------------------------------
+
+@njit(cache=True, nogil=True)
+def append_rows(x, pool, page_table, start, P, code):
+    # x (T, KVH, HD) f32 -> quantize token start+t, head g into its slot of pool (KVH, n_pages, P*rb).
+    # Serial: a decode step appends KVH rows, far too little work to wake threads for.
+    T, KVH, HD = x.shape
+    rb = pool.shape[2] // P
+    for i in range(T * KVH):
+        t = i // KVH
+        g = i % KVH
+        j = start + t
+        o = (j % P) * rb
+        quantize_row(code, x[t, g], pool[g, page_table[j // P], o:o + rb])
+
+
+@njit(cache=True, nogil=True)
+def write_residual(x, res, start, P, rcode):
+    # x (T, KVH, HD) f32, all in one page -> f16 rows res[g, (start + t) % P]
+    T, KVH, HD = x.shape
+    for t in range(T):
+        for g in range(KVH):
+            quantize_row(rcode, x[t, g], res[g, (start + t) % P])
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def flush_residual(res, r0, pool, page, P, rcode, code, kbits, tmp):
+    # quantize the full page held in residual rows r0 .. r0+P-1 of res (KVH, RING, 2*HD) into
+    # pool[:, page]; tmp (KVH, P, HD) f32 scratch.
+    KVH = res.shape[0]
+    for g in prange(KVH):
+        for s in range(P):
+            dequantize_row(rcode, res[g, r0 + s], tmp[g, s])
+        if kbits > 0:
+            kivi_quantize_kpage(kbits, tmp[g], pool[g, page])
+        else:
+            rb = pool.shape[2] // P
+            for s in range(P):
+                quantize_row(code, tmp[g, s], pool[g, page, s * rb:(s + 1) * rb])
