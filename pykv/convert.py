@@ -23,6 +23,7 @@ from gguf import GGMLQuantizationType as QT
 from gguf import GGUFValueType as VT
 
 from pykv import hf
+from pykv.formats import KV_FORMATS, bytes_per_token
 
 
 class ConvertError(Exception):
@@ -996,23 +997,6 @@ def _fmt_bytes(n: float) -> str:
     return f"{n:.2f} GiB"
 
 
-def _kv_bytes_per_elem(name: str) -> float | None:
-    try:
-        from pykv.formats import KV_FORMATS  # type: ignore
-        fmt = KV_FORMATS.get(name)
-        if fmt is not None:
-            for a, b in (("block_bytes", "block_size"), ("type_size", "block_size")):
-                if hasattr(fmt, a) and hasattr(fmt, b):
-                    return getattr(fmt, a) / getattr(fmt, b)
-    except Exception:  # noqa: BLE001
-        pass
-    try:
-        bs, ts = gguf.GGML_QUANT_SIZES[QT[name.upper()]]
-        return ts / bs
-    except KeyError:
-        return None
-
-
 def info(path) -> str:
     r = _open_gguf(path)
     md = gguf_metadata(r)
@@ -1051,10 +1035,10 @@ def info(path) -> str:
         n_ctx = md.get(f"{arch}.context_length")
         lines += ["", f"KV cache per token ({n_layer} layers x {n_kv} KV heads x (K {kd} + V {vd})):"]
         for kvt in KV_INFO_TYPES:
-            bpe = _kv_bytes_per_elem(kvt)
-            if bpe is None:
-                continue
-            per_tok = n_layer * n_kv * (kd + vd) * bpe
+            try:
+                per_tok = bytes_per_token(kvt, kvt, n_layer, n_kv, kd, head_dim_v=vd)
+            except ValueError:          # head size not a whole number of blocks: the table's nominal rate
+                per_tok = n_layer * n_kv * (kd + vd) * KV_FORMATS[kvt].bits / 8
             extra = f"   ({_fmt_bytes(per_tok * n_ctx)} at n_ctx={n_ctx})" if n_ctx else ""
             lines.append(f"  {kvt:<7} {per_tok:>10.1f} bytes{extra}")
     return "\n".join(lines)
