@@ -16,6 +16,8 @@ from pathlib import Path
 import numpy as np
 import regex
 
+from pykv.evaluate import log_softmax
+
 # ----------------------------------------------------------------------------
 # forward passes
 # ----------------------------------------------------------------------------
@@ -157,12 +159,6 @@ def gguf_forward(path, ids, dtype=np.float64) -> np.ndarray:
                     field("llama.attention.key_length", n_embd // n_head),
                     field("llama.attention.layer_norm_rms_epsilon"), field("llama.rope.freq_base", 10000.0),
                     _rope_pairs, ids, names, dtype, scale)
-
-
-def log_softmax(x):
-    x = np.asarray(x, dtype=np.float64)
-    m = x.max(axis=-1, keepdims=True)
-    return x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))
 
 
 def perplexity(logits, ids) -> float:
