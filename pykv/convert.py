@@ -7,14 +7,13 @@ llama.cpp's interleaved-pair layout), so llama.cpp and pykv load them alike.
 """
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
 import numpy as np
 
@@ -1122,16 +1121,3 @@ def register_cli(subparsers) -> None:
     p = subparsers.add_parser("info", help="show GGUF metadata, tensors and KV cache sizes")
     p.add_argument("model", help=".gguf file")
     p.set_defaults(func=_cmd_info)
-
-
-def main(argv: Iterable[str] | None = None) -> int:
-    """Standalone entry point (``python -m pykv.convert``) until the lead's CLI lands."""
-    ap = argparse.ArgumentParser(prog="pykv")
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    register_cli(sub)
-    a = ap.parse_args(list(argv) if argv is not None else None)
-    return a.func(a)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -46,11 +46,6 @@ class KVFormat:
     ggml_type: _T | None  # the gguf type when the byte layout is ggml's
     row_extra: int = 0   # bytes per row on top of the blocks (fp8: the f32 row scale)
 
-    @property
-    def is_integer(self) -> bool:
-        """True where the stored values are integer codes under block scales (q8 query pays off)."""
-        return self.kind in ("ggml", "kivi")
-
 
 CODE_F32 = 0
 CODE_F16 = 1

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import struct
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 
@@ -332,7 +332,3 @@ def spm_model_info(path: Path) -> dict:
                 elif f2 == 3:
                     info["add_dummy_prefix"] = bool(v2)
     return info
-
-
-def iter_files(folder: Path, pattern: str) -> Iterator[Path]:
-    yield from sorted(folder.glob(pattern))

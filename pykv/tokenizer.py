@@ -32,7 +32,6 @@ TOKEN_NORMAL = 1
 TOKEN_UNKNOWN = 2
 TOKEN_CONTROL = 3
 TOKEN_USER_DEFINED = 4
-TOKEN_UNUSED = 5
 TOKEN_BYTE = 6
 
 # ---------------------------------------------------------------------------

@@ -5,7 +5,7 @@ row in a ``uint8`` buffer:
 
     quantize_row(code, x f32[HD], dst u8[row_bytes])            once per token on append
     dequantize_row(code, src u8[row_bytes], out f32[HD])        KIVI page flushes (kernels.blocks.deq_rows)
-    quantize_rows(code, X f32[N, HD], dst u8[N, row_bytes])      prange over rows (convert tool)
+    quantize_rows(code, X f32[N, HD], dst u8[N, row_bytes], ntry=-1)   prange over rows (convert tool)
 
 The paged cache (pykv.kv_cache) appends through three kernels built on them:
 
@@ -519,16 +519,14 @@ def dequantize_row(code, src, out):
 # ----------------------------------------------------------------------------------------------
 
 @njit(cache=True, parallel=True)
-def quantize_rows(code, X, dst):
-    """Quantize every row of X (row length: any multiple of the block size) into dst[N, row_bytes]."""
+def quantize_rows(code, X, dst, ntry=-1):
+    """Quantize every row of X (row length: any multiple of the block size) into dst[N, row_bytes].
+    ntry: iq4_nl's scale search width (-1: the KV cache's quantize_row_iq4_nl_ref, 7: llama-quantize's)."""
     for i in prange(X.shape[0]):
-        quantize_row(code, X[i], dst[i])
-
-
-@njit(cache=True, parallel=True)
-def quantize_rows_iq4_nl(X, dst, ntry):
-    for i in prange(X.shape[0]):
-        quantize_row_iq4_nl(X[i], dst[i], ntry)
+        if code == CODE_IQ4_NL:
+            quantize_row_iq4_nl(X[i], dst[i], ntry)
+        else:
+            quantize_row(code, X[i], dst[i])
 
 
 # ----------------------------------------------------------------------------------------------
