@@ -1048,11 +1048,8 @@ def info(path) -> str:
 # ----------------------------------------------------------------------------
 
 def _run(fn: Callable[[], Any]) -> int:
-    try:
-        res = fn()
-    except ConvertError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    """Run a subcommand; a ConvertError reaches pykv.cli.main, the one place that formats errors."""
+    res = fn()
     if isinstance(res, str):
         print(res)
     return 0
