@@ -8,9 +8,9 @@ values to the C-contiguous float32 array `out` from flat element offset `oo`:
 
     one block of 32 values   (src, so, out, oo):
         deq_q8_0, deq_q4_0, deq_q4_1 (= KIVI int4 value groups): kernels.simd's whole-block vector decoders
-        deq_q5_0, deq_q5_1, deq_iq4_nl;  deq_int2 (KIVI int2 value groups; + qb, see below)
+        deq_q5 (+ asym: q5_1), deq_iq4_nl;  deq_int2 (KIVI int2 value groups; + qb, see below)
     n values of a row        (src, so, n, out, oo):
-        deq_f32, deq_f16, deq_bf16, deq_fp8_e4m3, deq_fp8_e5m2 (fp8: the row's f32 scale at so, codes after)
+        deq_f32, deq_f16, deq_bf16;  deq_fp8 (+ e4m3: the row's f32 scale at so, the codes after it)
     deq_rows(code, src, o0, rb, n, out)         n KV rows of any format (row r at byte o0 + r * rb) -> out[n, HD]
     deq_kivi_k_rows(bits, page, s0, n, out, dk, mk)   tokens s0 .. s0+n of a KIVI key page -> out[n, HD]
 
@@ -32,8 +32,8 @@ KVALUES_IQ4NL = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 3
                          dtype=np.int8)
 IQ4NL_F = KVALUES_IQ4NL.astype(np.float32)
 
-__all__ = ["deq_q8_0", "deq_q4_0", "deq_q4_1", "deq_q5_0", "deq_q5_1", "deq_iq4_nl", "deq_int2", "deq_f32",
-           "deq_f16", "deq_bf16", "deq_fp8_e4m3", "deq_fp8_e5m2", "deq_rows", "deq_kivi_k_rows", "rd_f16",
+__all__ = ["deq_q8_0", "deq_q4_0", "deq_q4_1", "deq_q5", "deq_iq4_nl", "deq_int2", "deq_f32",
+           "deq_f16", "deq_bf16", "deq_fp8", "deq_rows", "deq_kivi_k_rows", "rd_f16",
            "rd_f32", "rd_u32", "KVALUES_IQ4NL", "IQ4NL_F"]
 
 
@@ -72,32 +72,24 @@ def opaque_bs(n):
 # ----------------------------------------------------------------------------------------------
 
 @njit(cache=True, inline="always")
-def deq_q5_0(src, so, out, oo):
-    """[f16 d][u32 qh][16 nibble bytes]: d * (q - 16), bit 4 of element j = bit j of qh."""
+def deq_q5(src, so, out, oo, asym):
+    """q5_0 [f16 d][u32 qh][16 nibble bytes]: d * (q - 16);  q5_1 (asym) [f16 d][f16 m][u32 qh][16 bytes]:
+    d * q + m.  Bit 4 of element j is bit j of qh."""
     o = U(so)
     d = rd_f16(src, o)
-    qh = np.int32(rd_u32(src, o + U(2)))
+    m = rd_f16(src, o + U(2)) if asym else np.float32(0.0)
+    h = o + U(4) if asym else o + U(2)
+    qh = np.int32(rd_u32(src, h))
     for j in range(16):                       # a literal 16 measured faster than the opaque length here
-        v = np.int32(src[o + U(6 + j)])
+        v = np.int32(src[h + U(4 + j)])
         q0 = (v & 0xF) | (((qh >> j) & 1) << 4)
         q1 = (v >> 4) | (((qh >> (j + 16)) & 1) << 4)
-        out[U(oo + j)] = d * np.float32(q0 - 16)
-        out[U(oo + 16 + j)] = d * np.float32(q1 - 16)
-
-
-@njit(cache=True, inline="always")
-def deq_q5_1(src, so, out, oo):
-    """[f16 d][f16 m][u32 qh][16 nibble bytes]: d * q + m."""
-    o = U(so)
-    d = rd_f16(src, o)
-    m = rd_f16(src, o + U(2))
-    qh = np.int32(rd_u32(src, o + U(4)))
-    for j in range(16):
-        v = np.int32(src[o + U(8 + j)])
-        q0 = (v & 0xF) | (((qh >> j) & 1) << 4)
-        q1 = (v >> 4) | (((qh >> (j + 16)) & 1) << 4)
-        out[U(oo + j)] = d * np.float32(q0) + m
-        out[U(oo + 16 + j)] = d * np.float32(q1) + m
+        if asym:
+            out[U(oo + j)] = d * np.float32(q0) + m
+            out[U(oo + 16 + j)] = d * np.float32(q1) + m
+        else:                                 # no "+ 0": -0.0 stays -0.0, as in ggml
+            out[U(oo + j)] = d * np.float32(q0 - 16)
+            out[U(oo + 16 + j)] = d * np.float32(q1 - 16)
 
 
 @njit(cache=True, inline="always")
@@ -149,24 +141,21 @@ def deq_bf16(src, so, n, out, oo):
 
 
 @njit(cache=True, inline="always")
-def deq_fp8_e5m2(src, so, n, out, oo):
-    """[f32 s][n codes]: an e5m2 byte is the top byte of an f16 (inf / NaN included)."""
-    o = U(so)
-    s = rd_f32(src, o)
-    for i in range(n):
-        out[U(oo + i)] = h2f(np.uint16(src[o + U(4 + i)]) << np.uint16(8)) * s
-
-
-@njit(cache=True, inline="always")
-def deq_fp8_e4m3(src, so, n, out, oo):
-    """[f32 s][n codes]: S.EEEE.MMM -> f16 S.0EEEE.MMM0000000 = value * 2^-8 (subnormals too), times
+def deq_fp8(src, so, n, out, oo, e4m3):
+    """[f32 s][n codes] -> code value * s.  e5m2: the byte is the top byte of an f16 (inf / NaN
+    included).  e4m3: S.EEEE.MMM -> f16 S.0EEEE.MMM0000000 = value * 2^-8 (subnormals too), times
     256 s (exact: a power of two); 0x7F / 0xFF are NaN."""
     o = U(so)
-    s = rd_f32(src, o) * np.float32(256.0)
-    for i in range(n):
-        b = np.uint16(src[o + U(4 + i)])
-        v = h2f(((b & np.uint16(0x80)) << np.uint16(8)) | ((b & np.uint16(0x7F)) << np.uint16(7)))
-        out[U(oo + i)] = v * s if (b & np.uint16(0x7F)) != np.uint16(0x7F) else np.float32(np.nan)
+    s = rd_f32(src, o)
+    if e4m3:
+        s *= np.float32(256.0)
+        for i in range(n):
+            b = np.uint16(src[o + U(4 + i)])
+            v = h2f(((b & np.uint16(0x80)) << np.uint16(8)) | ((b & np.uint16(0x7F)) << np.uint16(7)))
+            out[U(oo + i)] = v * s if (b & np.uint16(0x7F)) != np.uint16(0x7F) else np.float32(np.nan)
+    else:
+        for i in range(n):
+            out[U(oo + i)] = h2f(np.uint16(src[o + U(4 + i)]) << np.uint16(8)) * s
 
 
 # ----------------------------------------------------------------------------------------------
@@ -199,27 +188,22 @@ def deq_rows(code, src, o0, rb, n, out):
             row = out[r]
             for b in range(nb):
                 deq_iq4_nl(src, o0 + r * rb + 18 * b, row, 32 * b)
-    elif code == CODE_Q5_0:
+    elif code == CODE_Q5_0 or code == CODE_Q5_1:
+        asym = code == CODE_Q5_1
+        bb = 24 if asym else 22
         for r in range(n):
             row = out[r]
             for b in range(nb):
-                deq_q5_0(src, o0 + r * rb + 22 * b, row, 32 * b)
-    elif code == CODE_Q5_1:
-        for r in range(n):
-            row = out[r]
-            for b in range(nb):
-                deq_q5_1(src, o0 + r * rb + 24 * b, row, 32 * b)
+                deq_q5(src, o0 + r * rb + bb * b, row, 32 * b, asym)
     elif code == CODE_INT2:
         for r in range(n):
             row = out[r]
             for b in range(nb):
                 deq_int2(src, o0 + r * rb + 12 * b, row, 32 * b, qb)
-    elif code == CODE_FP8_E5M2:
+    elif code == CODE_FP8_E4M3 or code == CODE_FP8_E5M2:
+        e4m3 = code == CODE_FP8_E4M3
         for r in range(n):
-            deq_fp8_e5m2(src, o0 + r * rb, HD, out[r], 0)
-    elif code == CODE_FP8_E4M3:
-        for r in range(n):
-            deq_fp8_e4m3(src, o0 + r * rb, HD, out[r], 0)
+            deq_fp8(src, o0 + r * rb, HD, out[r], 0, e4m3)
     elif code == CODE_F32:
         for r in range(n):
             deq_f32(src, o0 + r * rb, HD, out[r], 0)

@@ -47,7 +47,8 @@ import numba
 
 from gguf import GGMLQuantizationType as _GT
 
-from .blocks import deq_bf16, deq_f16, deq_f32, deq_q4_0, deq_q4_1, deq_q5_0, deq_q5_1, deq_q8_0, rd_f16
+from ..formats import KV_FORMATS
+from .blocks import deq_rows, rd_f16
 from .simd import HAS_VNNI, TILE_ROWS, dot_tile_q4, dot_tile_q8, h2f
 
 __all__ = ["Weight", "Act", "prepare_weight", "matmul", "matmul_fused", "get_rows", "set_exact", "quantize_act_q8",
@@ -67,6 +68,11 @@ _BLOCK = {
     Q4_K: (256, 144), Q5_K: (256, 176), Q6_K: (256, 210),
 }
 SUPPORTED_TYPES = tuple(_BLOCK)
+_KV_CODE = np.full(max(_BLOCK) + 1, -1, np.int64)       # ggml type -> pykv.formats code (same bytes)
+for _f in KV_FORMATS.values():
+    if _f.ggml_type is not None and int(_f.ggml_type) in _BLOCK:
+        _KV_CODE[int(_f.ggml_type)] = _f.code
+del _f
 _FLOAT_TYPES = (F32, F16, BF16)
 
 _EXACT = False
@@ -96,33 +102,14 @@ def _k_scale_min(w, o, s):
 
 # ----------------------------------------------------------------------------------------------------
 # row dequantization (bit-exact with gguf.quants.dequantize: same float32 operations, no FMA contraction;
-# the 32-blocks and float rows through kernels.blocks, the K-quants here)
+# the KV cache's formats through kernels.blocks.deq_rows, the K-quants here)
 # ----------------------------------------------------------------------------------------------------
 
 @njit(cache=True, nogil=True)
 def _deq_row(kind, w, y):
     n = y.shape[0]
-    if kind == F32:
-        deq_f32(w, 0, n, y, 0)
-    elif kind == F16:
-        deq_f16(w, 0, n, y, 0)
-    elif kind == BF16:
-        deq_bf16(w, 0, n, y, 0)
-    elif kind == Q8_0:
-        for b in range(n // 32):
-            deq_q8_0(w, 34 * b, y, 32 * b)
-    elif kind == Q4_0:
-        for b in range(n // 32):
-            deq_q4_0(w, 18 * b, y, 32 * b)
-    elif kind == Q4_1:
-        for b in range(n // 32):
-            deq_q4_1(w, 20 * b, y, 32 * b)
-    elif kind == Q5_0:
-        for b in range(n // 32):
-            deq_q5_0(w, 22 * b, y, 32 * b)
-    elif kind == Q5_1:
-        for b in range(n // 32):
-            deq_q5_1(w, 24 * b, y, 32 * b)
+    if kind != Q4_K and kind != Q5_K and kind != Q6_K:    # the KV cache's formats: one decoder each
+        deq_rows(_KV_CODE[kind], w, 0, 0, 1, y.reshape(1, n))
     elif kind == Q4_K or kind == Q5_K:
         bs = 144 if kind == Q4_K else 176
         qo = 16 if kind == Q4_K else 48

@@ -72,24 +72,21 @@ def h2f(typingctx, x):
     return None
 
 
-@intrinsic
-def f32_bits(typingctx, x):
-    """Reinterpret a float32 as uint32."""
-    if isinstance(x, types.Float) and x.bitwidth == 32:
-        def codegen(context, builder, sig, args):
-            return builder.bitcast(args[0], I32)
-        return types.uint32(types.float32), codegen
-    return None
+def _bitcast(name, src, dst, ir_dst):
+    """An intrinsic reinterpreting a Numba `src` scalar (any integer of its width) as `dst`."""
+    def typer(typingctx, x):
+        if x == src or (isinstance(src, types.Integer) and isinstance(x, types.Integer)
+                        and x.bitwidth == src.bitwidth):
+            def codegen(context, builder, sig, args):
+                return builder.bitcast(args[0], ir_dst)
+            return dst(x), codegen
+        return None
+    typer.__name__ = name
+    return intrinsic(typer)
 
 
-@intrinsic
-def bits_f32(typingctx, u):
-    """Reinterpret a uint32 as float32."""
-    if isinstance(u, types.Integer) and u.bitwidth == 32:
-        def codegen(context, builder, sig, args):
-            return builder.bitcast(args[0], F32)
-        return types.float32(u), codegen
-    return None
+f32_bits = _bitcast("f32_bits", types.float32, types.uint32, I32)     # float32 -> its uint32 bits
+bits_f32 = _bitcast("bits_f32", types.uint32, types.float32, F32)     # any 32-bit integer -> float32
 
 
 def _splat(builder, x, n):
