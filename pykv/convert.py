@@ -7,14 +7,13 @@ llama.cpp's interleaved-pair layout), so llama.cpp and pykv load them alike.
 """
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
 import numpy as np
 
@@ -23,6 +22,7 @@ from gguf import GGMLQuantizationType as QT
 from gguf import GGUFValueType as VT
 
 from pykv import hf
+from pykv.formats import KV_FORMATS, bytes_per_token
 
 
 class ConvertError(Exception):
@@ -1162,23 +1162,6 @@ def _fmt_bytes(n: float) -> str:
     return f"{n:.2f} GiB"
 
 
-def _kv_bytes_per_elem(name: str) -> float | None:
-    try:
-        from pykv.formats import KV_FORMATS  # type: ignore
-        fmt = KV_FORMATS.get(name)
-        if fmt is not None:
-            for a, b in (("block_bytes", "block_size"), ("type_size", "block_size")):
-                if hasattr(fmt, a) and hasattr(fmt, b):
-                    return getattr(fmt, a) / getattr(fmt, b)
-    except Exception:  # noqa: BLE001
-        pass
-    try:
-        bs, ts = gguf.GGML_QUANT_SIZES[QT[name.upper()]]
-        return ts / bs
-    except KeyError:
-        return None
-
-
 def info(path) -> str:
     r = _open_gguf(path)
     md = gguf_metadata(r)
@@ -1217,10 +1200,10 @@ def info(path) -> str:
         n_ctx = md.get(f"{arch}.context_length")
         lines += ["", f"KV cache per token ({n_layer} layers x {n_kv} KV heads x (K {kd} + V {vd})):"]
         for kvt in KV_INFO_TYPES:
-            bpe = _kv_bytes_per_elem(kvt)
-            if bpe is None:
-                continue
-            per_tok = n_layer * n_kv * (kd + vd) * bpe
+            try:
+                per_tok = bytes_per_token(kvt, kvt, n_layer, n_kv, kd, head_dim_v=vd)
+            except ValueError:          # head size not a whole number of blocks: the table's nominal rate
+                per_tok = n_layer * n_kv * (kd + vd) * KV_FORMATS[kvt].bits / 8
             extra = f"   ({_fmt_bytes(per_tok * n_ctx)} at n_ctx={n_ctx})" if n_ctx else ""
             lines.append(f"  {kvt:<7} {per_tok:>10.1f} bytes{extra}")
     return "\n".join(lines)
@@ -1231,11 +1214,8 @@ def info(path) -> str:
 # ----------------------------------------------------------------------------
 
 def _run(fn: Callable[[], Any]) -> int:
-    try:
-        res = fn()
-    except ConvertError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    """Run a subcommand; a ConvertError reaches pykv.cli.main, the one place that formats errors."""
+    res = fn()
     if isinstance(res, str):
         print(res)
     return 0
@@ -1304,16 +1284,3 @@ def register_cli(subparsers) -> None:
     p = subparsers.add_parser("info", help="show GGUF metadata, tensors and KV cache sizes")
     p.add_argument("model", help=".gguf file")
     p.set_defaults(func=_cmd_info)
-
-
-def main(argv: Iterable[str] | None = None) -> int:
-    """Standalone entry point (``python -m pykv.convert``) until the lead's CLI lands."""
-    ap = argparse.ArgumentParser(prog="pykv")
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    register_cli(sub)
-    a = ap.parse_args(list(argv) if argv is not None else None)
-    return a.func(a)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -11,10 +11,11 @@ import numpy as np
 from .config import PykvError
 
 
-def _log_softmax(logits: np.ndarray) -> np.ndarray:
-    x = logits.astype(np.float64)
-    x -= x.max(axis=1, keepdims=True)
-    return x - np.log(np.exp(x).sum(axis=1, keepdims=True))
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    """log softmax over the last axis, in float64."""
+    x = np.asarray(logits, dtype=np.float64)
+    x = x - x.max(axis=-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
 
 
 def _progress(total: int, desc: str):
@@ -40,12 +41,12 @@ def perplexity(model, ids, n_ctx: int, base=None, max_chunks=None, progress=None
     nll, kl, agree, n = 0.0, 0.0, 0, 0
     for c in range(n_chunks):
         chunk = ids[c * n_ctx:(c + 1) * n_ctx]
-        lp = _log_softmax(model.eval(model.new_sequence(), chunk, all_logits=True)[:-1])
+        lp = log_softmax(model.eval(model.new_sequence(), chunk, all_logits=True)[:-1])
         if bar is not None:
             bar.update(n_ctx)
         nll -= lp[np.arange(n_ctx - 1), chunk[1:]].sum()
         if base is not None:
-            lb = _log_softmax(base.eval(base.new_sequence(), chunk, all_logits=True)[:-1])
+            lb = log_softmax(base.eval(base.new_sequence(), chunk, all_logits=True)[:-1])
             if bar is not None:
                 bar.update(n_ctx)
             kl += float((np.exp(lb) * (lb - lp)).sum())

@@ -46,11 +46,6 @@ class KVFormat:
     ggml_type: _T | None  # the gguf type when the byte layout is ggml's
     row_extra: int = 0   # bytes per row on top of the blocks (fp8: the f32 row scale)
 
-    @property
-    def is_integer(self) -> bool:
-        """True where the stored values are integer codes under block scales (q8 query pays off)."""
-        return self.kind in ("ggml", "kivi")
-
 
 CODE_F32 = 0
 CODE_F16 = 1
@@ -151,10 +146,12 @@ def kv_bytes_per_token_head(fmt: str | KVFormat, head_dim: int, page_tokens: int
 
 
 def bytes_per_token(fmt_k: str | KVFormat, fmt_v: str | KVFormat, n_layers: int, n_kv_heads: int,
-                    head_dim: int, page_tokens: int = 32) -> float:
-    """Bytes one token costs in the whole KV cache (K + V, all layers and KV heads)."""
+                    head_dim: int, page_tokens: int = 32, head_dim_v: int | None = None) -> float:
+    """Bytes one token costs in the whole KV cache (K + V, all layers and KV heads); head_dim_v: the
+    value head size where it differs from the key's."""
     per_head = (kv_bytes_per_token_head(fmt_k, head_dim, page_tokens, True)
-                + kv_bytes_per_token_head(fmt_v, head_dim, page_tokens, False))
+                + kv_bytes_per_token_head(fmt_v, head_dim if head_dim_v is None else head_dim_v,
+                                          page_tokens, False))
     return n_layers * n_kv_heads * per_head
 
 

@@ -52,7 +52,7 @@ def generate(model, prompt, max_tokens=128, temperature=0.8, top_k=40, top_p=0.9
         t0 = time.perf_counter()
         for _ in range(max_tokens):
             tid = sampler.sample(logits, history)
-            if tid in model.tokenizer.eog_ids:
+            if model.tokenizer.is_eog(tid):
                 break
             history.append(tid)
             stats["gen_tokens"] += 1

@@ -184,13 +184,6 @@ class GGUFFile:
         return ti
 
 
-def type_name(ggml_type: int) -> str:
-    try:
-        return T(ggml_type).name
-    except ValueError:
-        return f"type{ggml_type}"
-
-
 def open_model(path) -> tuple[GGUFFile, Config]:
     gf = GGUFFile(path)
     cfg = Config.from_metadata(gf.metadata)

@@ -10,9 +10,11 @@ from __future__ import annotations
 import json
 import struct
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
+
+from .tokenizer import build_spm_model  # noqa: F401  (export_hf writes tokenizer.model with it)
 
 # ----------------------------------------------------------------------------
 # safetensors
@@ -225,43 +227,13 @@ def pre_tokenizer_for(pre: str) -> dict:
 
 
 # ----------------------------------------------------------------------------
-# SentencePiece model protobuf (subset) codec
+# SentencePiece model protobuf (subset) reader; the writer is tokenizer.build_spm_model
 # ----------------------------------------------------------------------------
 # ModelProto: 1 pieces (repeated SentencePiece), 2 trainer_spec, 3 normalizer_spec
 # SentencePiece: 1 piece (string), 2 score (float), 3 type (enum; same values as GGUF token types)
 # TrainerSpec: 3 model_type (1 unigram, 2 bpe), 4 vocab_size, 35 byte_fallback,
 #              40 unk_id, 41 bos_id, 42 eos_id, 43 pad_id
 # NormalizerSpec: 1 name, 3 add_dummy_prefix, 4 remove_extra_whitespaces, 5 escape_whitespaces
-
-def _varint(v: int) -> bytes:
-    if v < 0:
-        v += 1 << 64
-    out = bytearray()
-    while True:
-        b = v & 0x7F
-        v >>= 7
-        if v:
-            out.append(b | 0x80)
-        else:
-            out.append(b)
-            return bytes(out)
-
-
-def _key(field: int, wt: int) -> bytes:
-    return _varint((field << 3) | wt)
-
-
-def _pb_int(field: int, v: int) -> bytes:
-    return _key(field, 0) + _varint(int(v))
-
-
-def _pb_bytes(field: int, b: bytes) -> bytes:
-    return _key(field, 2) + _varint(len(b)) + b
-
-
-def _pb_float(field: int, v: float) -> bytes:
-    return _key(field, 5) + struct.pack("<f", float(v))
-
 
 def pb_decode(buf: bytes) -> list[tuple[int, int, Any]]:
     """Decode one protobuf message level into (field, wiretype, value) triples."""
@@ -300,23 +272,6 @@ def pb_decode(buf: bytes) -> list[tuple[int, int, Any]]:
     return out
 
 
-def build_spm_model(pieces: list[tuple[bytes, float, int]], *, model_type: int = 2,
-                    unk_id: int = 0, bos_id: int = 1, eos_id: int = 2, pad_id: int = -1,
-                    add_dummy_prefix: bool = True, byte_fallback: bool = False) -> bytes:
-    """Serialize a SentencePiece ModelProto (identity normalization)."""
-    body = bytearray()
-    for text, score, typ in pieces:
-        sp = _pb_bytes(1, text) + _pb_float(2, score) + _pb_int(3, typ)
-        body += _pb_bytes(1, sp)
-    trainer = (_pb_int(3, model_type) + _pb_int(4, len(pieces)) + _pb_int(35, 1 if byte_fallback else 0)
-               + _pb_int(40, unk_id) + _pb_int(41, bos_id) + _pb_int(42, eos_id) + _pb_int(43, pad_id))
-    body += _pb_bytes(2, trainer)
-    norm = (_pb_bytes(1, b"identity") + _pb_int(3, 1 if add_dummy_prefix else 0)
-            + _pb_int(4, 0) + _pb_int(5, 1))
-    body += _pb_bytes(3, norm)
-    return bytes(body)
-
-
 def spm_model_info(path: Path) -> dict:
     """A few fields of a tokenizer.model (trainer spec / normalizer spec)."""
     info: dict[str, Any] = {}
@@ -332,7 +287,3 @@ def spm_model_info(path: Path) -> dict:
                 elif f2 == 3:
                     info["add_dummy_prefix"] = bool(v2)
     return info
-
-
-def iter_files(folder: Path, pattern: str) -> Iterator[Path]:
-    yield from sorted(folder.glob(pattern))

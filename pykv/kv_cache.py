@@ -15,12 +15,11 @@ import math
 from dataclasses import dataclass, field
 
 import numpy as np
-from numba import njit, prange
 
 from .config import Config, PykvError
 from .formats import KV_FORMATS, kivi_page_bytes, parse_kv_type, row_bytes
 from .kernels.attention import attend as _attend
-from .kernels.kvquant import dequantize_row, kivi_quantize_kpage, quantize_row
+from .kernels.kvquant import append_rows, flush_residual, write_residual
 
 F16 = KV_FORMATS["f16"]
 SMOOTH_ALPHA = 0.5   # key channels divided by (std)^alpha, queries multiplied by it (see smooth_stats)
@@ -32,45 +31,6 @@ KIVI_WINDOW = 3      # KIVI: full pages kept in f16 behind the newest one (KIVI'
 def kivi_bits(fmt) -> int:
     """Integer width of a KIVI format (int4 -> 4, int2 -> 2); 0 for every other kind."""
     return int(fmt.name[3:]) if fmt.kind == "kivi" else 0
-
-
-@njit(cache=True, nogil=True)
-def append_rows(x, pool, page_table, start, P, code):
-    # x (T, KVH, HD) f32 -> quantize token start+t, head g into its slot of pool (KVH, n_pages, P*rb).
-    # Serial: a decode step appends KVH rows, far too little work to wake threads for.
-    T, KVH, HD = x.shape
-    rb = pool.shape[2] // P
-    for i in range(T * KVH):
-        t = i // KVH
-        g = i % KVH
-        j = start + t
-        o = (j % P) * rb
-        quantize_row(code, x[t, g], pool[g, page_table[j // P], o:o + rb])
-
-
-@njit(cache=True, nogil=True)
-def write_residual(x, res, start, P, rcode):
-    # x (T, KVH, HD) f32, all in one page -> f16 rows res[g, (start + t) % P]
-    T, KVH, HD = x.shape
-    for t in range(T):
-        for g in range(KVH):
-            quantize_row(rcode, x[t, g], res[g, (start + t) % P])
-
-
-@njit(cache=True, nogil=True, parallel=True)
-def flush_residual(res, r0, pool, page, P, rcode, code, kbits, tmp):
-    # quantize the full page held in residual rows r0 .. r0+P-1 of res (KVH, RING, 2*HD) into
-    # pool[:, page]; tmp (KVH, P, HD) f32 scratch.
-    KVH = res.shape[0]
-    for g in prange(KVH):
-        for s in range(P):
-            dequantize_row(rcode, res[g, r0 + s], tmp[g, s])
-        if kbits > 0:
-            kivi_quantize_kpage(kbits, tmp[g], pool[g, page])
-        else:
-            rb = pool.shape[2] // P
-            for s in range(P):
-                quantize_row(code, tmp[g, s], pool[g, page, s * rb:(s + 1) * rb])
 
 
 def seq_overhead_bytes(cfg: Config, k_fmt, v_fmt, page_tokens: int = 32) -> int:

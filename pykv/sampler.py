@@ -40,10 +40,6 @@ class Sampler:
         self.n_vocab = int(n_vocab)
         self.rng = np.random.default_rng(params.seed)
 
-    def reseed(self, seed: Optional[int]) -> None:
-        self.params.seed = seed
-        self.rng = np.random.default_rng(seed)
-
     # -- individual stages -------------------------------------------------
     def _penalize(self, logits: np.ndarray, history: Sequence[int]) -> np.ndarray:
         p = self.params

@@ -32,7 +32,6 @@ TOKEN_NORMAL = 1
 TOKEN_UNKNOWN = 2
 TOKEN_CONTROL = 3
 TOKEN_USER_DEFINED = 4
-TOKEN_UNUSED = 5
 TOKEN_BYTE = 6
 
 # ---------------------------------------------------------------------------
@@ -139,40 +138,33 @@ def _pb_bytes(field: int, v: bytes) -> bytes:
     return _pb_key(field, 2) + _pb_varint(len(v)) + v
 
 
-def _pb_str(field: int, v: str) -> bytes:
-    return _pb_bytes(field, v.encode("utf-8"))
-
-
 def _pb_float(field: int, v: float) -> bytes:
     return _pb_key(field, 5) + struct.pack("<f", float(v))
 
 
-def _build_spm_model_proto(tokens, scores, types, unk_id, bos_id, eos_id, pad_id, byte_fallback) -> bytes:
-    """Serialize a sentencepiece ModelProto (BPE model, identity normalizer).
+def build_spm_model(pieces: list[tuple[bytes, float, int]], *, model_type: int = 2,
+                    unk_id: int = 0, bos_id: int = 1, eos_id: int = 2, pad_id: int = -1,
+                    add_dummy_prefix: bool = True, byte_fallback: bool = False) -> bytes:
+    """Serialize a sentencepiece ModelProto (identity normalizer): pieces (utf-8 text, score, type).
 
     Field numbers follow sentencepiece_model.proto:
       ModelProto: 1 pieces, 2 trainer_spec, 3 normalizer_spec
-      SentencePiece: 1 piece, 2 score, 3 type
-      TrainerSpec: 3 model_type (BPE=2), 4 vocab_size, 35 byte_fallback,
+      SentencePiece: 1 piece, 2 score, 3 type (same values as GGUF token types)
+      TrainerSpec: 3 model_type (1 unigram, 2 BPE), 4 vocab_size, 35 byte_fallback,
                    40 unk_id, 41 bos_id, 42 eos_id, 43 pad_id
       NormalizerSpec: 1 name, 3 add_dummy_prefix, 4 remove_extra_whitespaces,
                       5 escape_whitespaces
-    The dummy prefix is disabled here: like llama.cpp, the tokenizer prepends
-    the space itself (only to fragments that start the text or follow a
-    special token).
     """
-    parts = []
-    for piece, score, typ in zip(tokens, scores, types):
-        body = _pb_str(1, piece) + _pb_float(2, score)
-        if typ != TOKEN_NORMAL:
-            body += _pb_int(3, typ)
-        parts.append(_pb_bytes(1, body))
-    trainer = (_pb_int(3, 2) + _pb_int(4, len(tokens)) + _pb_int(35, 1 if byte_fallback else 0)
+    body = bytearray()
+    for text, score, typ in pieces:
+        body += _pb_bytes(1, _pb_bytes(1, text) + _pb_float(2, score) + _pb_int(3, typ))
+    trainer = (_pb_int(3, model_type) + _pb_int(4, len(pieces)) + _pb_int(35, 1 if byte_fallback else 0)
                + _pb_int(40, unk_id) + _pb_int(41, bos_id) + _pb_int(42, eos_id) + _pb_int(43, pad_id))
-    normalizer = _pb_str(1, "identity") + _pb_int(3, 0) + _pb_int(4, 0) + _pb_int(5, 1)
-    parts.append(_pb_bytes(2, trainer))
-    parts.append(_pb_bytes(3, normalizer))
-    return b"".join(parts)
+    body += _pb_bytes(2, trainer)
+    norm = (_pb_bytes(1, b"identity") + _pb_int(3, 1 if add_dummy_prefix else 0)
+            + _pb_int(4, 0) + _pb_int(5, 1))
+    body += _pb_bytes(3, norm)
+    return bytes(body)
 
 
 # ---------------------------------------------------------------------------
@@ -478,10 +470,12 @@ class Tokenizer:
                 seen.add(t)
                 keep.append(i)
         identity = len(keep) == n
-        proto = _build_spm_model_proto(
-            [self.tokens[i] for i in keep], [self.scores[i] for i in keep], [types[i] for i in keep],
+        # no dummy prefix: like llama.cpp, the tokenizer prepends the space itself (only to
+        # fragments that start the text or follow a special token)
+        proto = build_spm_model(
+            [(self.tokens[i].encode("utf-8"), self.scores[i], types[i]) for i in keep],
             unk_id=keep.index(unk[0]) if not identity else unk[0],
-            bos_id=-1, eos_id=-1, pad_id=-1, byte_fallback=byte_fallback)
+            bos_id=-1, eos_id=-1, pad_id=-1, add_dummy_prefix=False, byte_fallback=byte_fallback)
         sp = spm.SentencePieceProcessor()
         sp.LoadFromSerializedProto(proto)
         if identity:

@@ -3,8 +3,8 @@
 * ``hf_forward``   – LLaMA forward in Hugging Face conventions (unpermuted q/k
   weights, rotate-half RoPE), float64, straight from a safetensors state dict.
 * ``gguf_forward`` – LLaMA forward in llama.cpp conventions (permuted q/k
-  weights, RoPE on adjacent pairs), reading a GGUF file and dequantizing with
-  gguf.quants.  Used when ``pykv.load`` is not available, and as a cross-check.
+  weights, RoPE on adjacent pairs): tests/reference.py's, re-exported; the HF
+  forward shares its layers (reference.llama_forward) and GPT-2 byte map.
 * a tiny byte-level BPE trainer/encoder (GPT-2 / SmolLM pre-tokenization).
 * a tiny HF checkpoint writer (random weights, BPE or SentencePiece tokenizer).
 """
@@ -16,38 +16,15 @@ from pathlib import Path
 import numpy as np
 import regex
 
+from tests.reference import B2U, gguf_forward, llama_forward, perplexity  # noqa: F401  (re-exported)
+
 # ----------------------------------------------------------------------------
 # forward passes
 # ----------------------------------------------------------------------------
 
 
-def _rmsnorm(x, w, eps):
-    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
-
-
-def _silu(x):
-    return x / (1.0 + np.exp(-x))
-
-
-def _attention(q, k, v, n_head, n_kv):
-    """q: (T, n_head, d), k/v: (T, n_kv, d) -> (T, n_head*d); causal, GQA."""
-    T, _, d = q.shape
-    group = n_head // n_kv
-    out = np.empty_like(q)
-    mask = np.triu(np.ones((T, T), dtype=bool), 1)
-    for h in range(n_head):
-        kv = h // group
-        s = q[:, h, :] @ k[:, kv, :].T / np.sqrt(d)
-        s[mask] = -np.inf
-        s -= s.max(axis=-1, keepdims=True)
-        p = np.exp(s)
-        p /= p.sum(axis=-1, keepdims=True)
-        out[:, h, :] = p @ v[:, kv, :]
-    return out.reshape(T, n_head * d)
-
-
-def _rope_half(x, pos, base, scale=1.0):
-    """HF rotate-half RoPE. x: (T, H, d)."""
+def rope_half(x, pos, base, n_rot=None, scale=1.0):
+    """HF rotate-half RoPE on all of x: (T, H, d) (n_rot: unused, rope_pairs' signature)."""
     d = x.shape[-1]
     inv = 1.0 / base ** (np.arange(0, d, 2, dtype=np.float64) / d)
     ang = (pos[:, None] / scale) * inv[None, :]
@@ -55,39 +32,6 @@ def _rope_half(x, pos, base, scale=1.0):
     sin = np.concatenate([np.sin(ang)] * 2, -1)[:, None, :]
     rot = np.concatenate([-x[..., d // 2:], x[..., : d // 2]], -1)
     return x * cos + rot * sin
-
-
-def _rope_pairs(x, pos, base, scale=1.0):
-    """llama.cpp "normal" RoPE: rotate (x[2i], x[2i+1]). x: (T, H, d)."""
-    d = x.shape[-1]
-    inv = 1.0 / base ** (np.arange(0, d, 2, dtype=np.float64) / d)
-    ang = (pos[:, None] / scale) * inv[None, :]
-    cos, sin = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
-    x0, x1 = x[..., 0::2], x[..., 1::2]
-    out = np.empty_like(x)
-    out[..., 0::2] = x0 * cos - x1 * sin
-    out[..., 1::2] = x0 * sin + x1 * cos
-    return out
-
-
-def _forward(get, n_layer, n_head, n_kv, head_dim, eps, base, rope, ids, names, dtype, scale=1.0):
-    ids = np.asarray(ids)
-    T = len(ids)
-    pos = np.arange(T, dtype=np.float64)
-    x = get(names["embd"])[ids].astype(dtype)
-    for i in range(n_layer):
-        n = lambda k: names[k].format(i=i)  # noqa: E731
-        h = _rmsnorm(x, get(n("attn_norm")), eps)
-        q = (h @ get(n("q")).T).reshape(T, n_head, head_dim)
-        k = (h @ get(n("k")).T).reshape(T, n_kv, head_dim)
-        v = (h @ get(n("v")).T).reshape(T, n_kv, head_dim)
-        q, k = rope(q, pos, base, scale), rope(k, pos, base, scale)
-        x = x + _attention(q, k, v, n_head, n_kv) @ get(n("o")).T
-        h = _rmsnorm(x, get(n("ffn_norm")), eps)
-        x = x + (_silu(h @ get(n("gate")).T) * (h @ get(n("up")).T)) @ get(n("down")).T
-    x = _rmsnorm(x, get(names["norm"]), eps)
-    out = get(names["out"]) if names["out"] else get(names["embd"])
-    return x @ out.T
 
 
 HF_NAMES = {
@@ -98,12 +42,6 @@ HF_NAMES = {
     "ffn_norm": "model.layers.{i}.post_attention_layernorm.weight",
     "gate": "model.layers.{i}.mlp.gate_proj.weight", "up": "model.layers.{i}.mlp.up_proj.weight",
     "down": "model.layers.{i}.mlp.down_proj.weight",
-}
-GGUF_NAMES = {
-    "embd": "token_embd.weight", "norm": "output_norm.weight", "out": "output.weight",
-    "attn_norm": "blk.{i}.attn_norm.weight", "q": "blk.{i}.attn_q.weight", "k": "blk.{i}.attn_k.weight",
-    "v": "blk.{i}.attn_v.weight", "o": "blk.{i}.attn_output.weight", "ffn_norm": "blk.{i}.ffn_norm.weight",
-    "gate": "blk.{i}.ffn_gate.weight", "up": "blk.{i}.ffn_up.weight", "down": "blk.{i}.ffn_down.weight",
 }
 
 
@@ -118,56 +56,8 @@ def hf_forward(tensors: dict, cfg: dict, ids) -> np.ndarray:
     rs = cfg.get("rope_scaling") or {}
     scale = float(rs.get("factor", 1.0)) if rs.get("type", rs.get("rope_type")) == "linear" else 1.0
     get = lambda k: np.asarray(tensors[k], dtype=np.float64)  # noqa: E731
-    return _forward(get, cfg["num_hidden_layers"], n_head, n_kv, head_dim, cfg["rms_norm_eps"],
-                    cfg.get("rope_theta", 10000.0), _rope_half, ids, names, np.float64, scale)
-
-
-def gguf_forward(path, ids, dtype=np.float64) -> np.ndarray:
-    """Logits (T, vocab) of a llama GGUF in llama.cpp conventions (any weight type)."""
-    import gguf
-
-    r = gguf.GGUFReader(path)
-
-    def field(k, default=None):
-        f = r.fields.get(k)
-        if f is None:
-            return default
-        return f.contents()
-
-    cache = {}
-    tens = {t.name: t for t in r.tensors}
-
-    def get(name):
-        if name not in cache:
-            t = tens[name]
-            a = gguf.quants.dequantize(t.data, t.tensor_type)
-            shape = tuple(int(x) for x in reversed(t.shape.tolist()))
-            cache[name] = np.asarray(a, dtype=dtype).reshape(shape)
-        return cache[name]
-
-    n_head = field("llama.attention.head_count")
-    n_embd = field("llama.embedding_length")
-    names = dict(GGUF_NAMES)
-    if "output.weight" not in tens:
-        names["out"] = None
-    scale = 1.0
-    if field("llama.rope.scaling.type") == "linear":
-        scale = float(field("llama.rope.scaling.factor"))
-    return _forward(get, field("llama.block_count"), n_head, field("llama.attention.head_count_kv", n_head),
-                    field("llama.attention.key_length", n_embd // n_head),
-                    field("llama.attention.layer_norm_rms_epsilon"), field("llama.rope.freq_base", 10000.0),
-                    _rope_pairs, ids, names, dtype, scale)
-
-
-def log_softmax(x):
-    x = np.asarray(x, dtype=np.float64)
-    m = x.max(axis=-1, keepdims=True)
-    return x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))
-
-
-def perplexity(logits, ids) -> float:
-    lp = log_softmax(logits[:-1])
-    return float(np.exp(-lp[np.arange(len(ids) - 1), np.asarray(ids[1:])].mean()))
+    return llama_forward(get, cfg["num_hidden_layers"], n_head, n_kv, head_dim, cfg["rms_norm_eps"],
+                         cfg.get("rope_theta", 10000.0), rope_half, ids, names, np.float64, scale)
 
 
 # ----------------------------------------------------------------------------
@@ -175,21 +65,6 @@ def perplexity(logits, ids) -> float:
 # ----------------------------------------------------------------------------
 
 GPT2_SPLIT = regex.compile(r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+""")
-
-
-def bytes_to_unicode() -> dict[int, str]:
-    keep = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAC + 1)) + list(range(0xAE, 0xFF + 1))
-    table, extra = {}, 0
-    for b in range(256):
-        if b in keep:
-            table[b] = chr(b)
-        else:
-            table[b] = chr(256 + extra)
-            extra += 1
-    return table
-
-
-B2U = bytes_to_unicode()
 
 
 def pretokenize(text: str, pre: str = "gpt-2") -> list[str]:

@@ -1,10 +1,14 @@
-"""Plain numpy float64 references used by every test (slow, obvious, no Numba)."""
+"""Plain numpy float64 references used by every test (slow, obvious, no Numba): the llama forward in
+llama.cpp conventions, attention, RoPE, the GPT-2 byte map, tiny random GGUFs.  hf_reference.py adds the
+Hugging Face side (its RoPE and names, a BPE trainer, tiny HF checkpoints) on top of these."""
 from __future__ import annotations
 
 import numpy as np
 from gguf import GGMLQuantizationType as T
 from gguf import GGUFReader
 from gguf.quants import dequantize
+
+from pykv.evaluate import log_softmax
 
 
 def tensor_f64(t) -> np.ndarray:
@@ -24,11 +28,13 @@ def rmsnorm(x, w, eps):
     return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
 
 
-def rope_gguf(x, pos, base, n_rot):
-    """llama.cpp rope mode 0 (NORM) on (T, n_heads, HD): rotates adjacent pairs (2i, 2i+1)."""
+def rope_pairs(x, pos, base, n_rot=None, scale=1.0):
+    """llama.cpp rope mode 0 (NORM) on (T, n_heads, HD): rotates adjacent pairs (2i, 2i+1) of the first
+    n_rot dimensions (default: all); scale: linear position scaling (positions divided by it)."""
+    n_rot = x.shape[-1] if n_rot is None else n_rot
     x = x.copy()
     i = np.arange(n_rot // 2)
-    theta = pos[:, None] * base ** (-2.0 * i / n_rot)          # (T, n_rot/2)
+    theta = (pos[:, None] / scale) * base ** (-2.0 * i / n_rot)          # (T, n_rot/2)
     c, s = np.cos(theta)[:, None, :], np.sin(theta)[:, None, :]
     x0, x1 = x[..., 0:n_rot:2].copy(), x[..., 1:n_rot:2].copy()
     x[..., 0:n_rot:2] = x0 * c - x1 * s
@@ -39,59 +45,84 @@ def rope_gguf(x, pos, base, n_rot):
 def attention(q, k, v, n_past=0):
     """Causal GQA attention. q (T, H, HD); k, v (n_past + T, KVH, HD). Query t sees keys 0..n_past+t."""
     Tq, H, HD = q.shape
-    KVH = k.shape[1]
+    n, KVH = k.shape[0], k.shape[1]
     g = H // KVH
-    out = np.zeros_like(q, dtype=np.float64)
-    for t in range(Tq):
-        n = n_past + t + 1
-        for h in range(H):
-            s = k[:n, h // g, :] @ q[t, h] / np.sqrt(HD)
-            p = np.exp(s - s.max())
-            p /= p.sum()
-            out[t, h] = p @ v[:n, h // g, :]
+    out = np.empty(q.shape, np.result_type(q, k, v))
+    mask = np.arange(n)[None, :] > (n_past + np.arange(Tq))[:, None]
+    for h in range(H):
+        s = q[:, h] @ k[:, h // g].T / np.sqrt(HD)
+        s[mask] = -np.inf
+        p = np.exp(s - s.max(axis=-1, keepdims=True))
+        p /= p.sum(axis=-1, keepdims=True)
+        out[:, h] = p @ v[:, h // g]
     return out
 
 
-class ReferenceModel:
-    """A float64 forward of a llama GGUF, weights dequantized with gguf.quants."""
+def silu(x):
+    return x / (1.0 + np.exp(-x))
 
-    def __init__(self, path):
-        r = GGUFReader(path)
-        md = {k: f.contents() for k, f in r.fields.items()}
-        a = md["general.architecture"]
-        self.n_layers = md[f"{a}.block_count"]
-        self.n_heads = md[f"{a}.attention.head_count"]
-        self.n_kv = md[f"{a}.attention.head_count_kv"]
-        self.eps = md[f"{a}.attention.layer_norm_rms_epsilon"]
-        self.base = md.get(f"{a}.rope.freq_base", 10000.0)
-        self.W = {t.name: tensor_f64(t) for t in r.tensors}
-        self.dim = self.W["token_embd.weight"].shape[1]
-        self.hd = self.dim // self.n_heads
-        self.n_rot = md.get(f"{a}.rope.dimension_count", self.hd)
 
-    def forward(self, ids):
-        W, hd = self.W, self.hd
-        ids = np.asarray(ids)
-        Tn = len(ids)
-        pos = np.arange(Tn, dtype=np.float64)
-        x = W["token_embd.weight"][ids]
-        for l in range(self.n_layers):
-            p = f"blk.{l}."
-            h = rmsnorm(x, W[p + "attn_norm.weight"], self.eps)
-            q = (h @ W[p + "attn_q.weight"].T).reshape(Tn, self.n_heads, hd)
-            k = (h @ W[p + "attn_k.weight"].T).reshape(Tn, self.n_kv, hd)
-            v = (h @ W[p + "attn_v.weight"].T).reshape(Tn, self.n_kv, hd)
-            q = rope_gguf(q, pos, self.base, self.n_rot)
-            k = rope_gguf(k, pos, self.base, self.n_rot)
-            o = attention(q, k, v).reshape(Tn, -1)
-            x = x + o @ W[p + "attn_output.weight"].T
-            h = rmsnorm(x, W[p + "ffn_norm.weight"], self.eps)
-            g = h @ W[p + "ffn_gate.weight"].T
-            u = h @ W[p + "ffn_up.weight"].T
-            x = x + (g / (1 + np.exp(-g)) * u) @ W[p + "ffn_down.weight"].T
-        x = rmsnorm(x, W["output_norm.weight"], self.eps)
-        out = W.get("output.weight", W["token_embd.weight"])
-        return x @ out.T
+def llama_forward(get, n_layer, n_head, n_kv, head_dim, eps, base, rope, ids, names, dtype, scale=1.0,
+                  n_rot=None):
+    """Logits (T, vocab) of a llama: get(name) -> weight (rows, cols); names: GGUF_NAMES or the HF ones;
+    rope(x, pos, base, n_rot, scale)."""
+    ids = np.asarray(ids)
+    Tn = len(ids)
+    pos = np.arange(Tn, dtype=np.float64)
+    x = get(names["embd"])[ids].astype(dtype)
+    for i in range(n_layer):
+        n = lambda k: names[k].format(i=i)  # noqa: E731
+        h = rmsnorm(x, get(n("attn_norm")), eps)
+        q = (h @ get(n("q")).T).reshape(Tn, n_head, head_dim)
+        k = (h @ get(n("k")).T).reshape(Tn, n_kv, head_dim)
+        v = (h @ get(n("v")).T).reshape(Tn, n_kv, head_dim)
+        q, k = rope(q, pos, base, n_rot, scale), rope(k, pos, base, n_rot, scale)
+        x = x + attention(q, k, v).reshape(Tn, -1) @ get(n("o")).T
+        h = rmsnorm(x, get(n("ffn_norm")), eps)
+        x = x + (silu(h @ get(n("gate")).T) * (h @ get(n("up")).T)) @ get(n("down")).T
+    x = rmsnorm(x, get(names["norm"]), eps)
+    out = get(names["out"]) if names["out"] else get(names["embd"])
+    return x @ out.T
+
+
+GGUF_NAMES = {
+    "embd": "token_embd.weight", "norm": "output_norm.weight", "out": "output.weight",
+    "attn_norm": "blk.{i}.attn_norm.weight", "q": "blk.{i}.attn_q.weight", "k": "blk.{i}.attn_k.weight",
+    "v": "blk.{i}.attn_v.weight", "o": "blk.{i}.attn_output.weight", "ffn_norm": "blk.{i}.ffn_norm.weight",
+    "gate": "blk.{i}.ffn_gate.weight", "up": "blk.{i}.ffn_up.weight", "down": "blk.{i}.ffn_down.weight",
+}
+
+
+def gguf_forward(path, ids, dtype=np.float64) -> np.ndarray:
+    """Logits (T, vocab) of a llama GGUF in llama.cpp conventions (any weight type gguf.quants
+    dequantizes), weights in `dtype`."""
+    r = GGUFReader(path)
+    md = {k: f.contents() for k, f in r.fields.items()}
+    a = md.get("general.architecture", "llama")
+    tens = {t.name: t for t in r.tensors}
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            cache[name] = tensor_f64(tens[name]).astype(dtype)
+        return cache[name]
+
+    n_head = md[f"{a}.attention.head_count"]
+    head_dim = md.get(f"{a}.attention.key_length", md[f"{a}.embedding_length"] // n_head)
+    names = dict(GGUF_NAMES)
+    if "output.weight" not in tens:
+        names["out"] = None
+    scale = float(md[f"{a}.rope.scaling.factor"]) if md.get(f"{a}.rope.scaling.type") == "linear" else 1.0
+    return llama_forward(get, md[f"{a}.block_count"], n_head, md.get(f"{a}.attention.head_count_kv", n_head),
+                         head_dim, md[f"{a}.attention.layer_norm_rms_epsilon"],
+                         md.get(f"{a}.rope.freq_base", 10000.0), rope_pairs, ids, names, dtype, scale,
+                         md.get(f"{a}.rope.dimension_count", head_dim))
+
+
+def perplexity(logits, ids) -> float:
+    """exp(mean NLL) of ids[1:] under logits[:-1]."""
+    lp = log_softmax(logits[:-1])
+    return float(np.exp(-lp[np.arange(len(ids) - 1), np.asarray(ids[1:])].mean()))
 
 
 # ---- synthetic data ------------------------------------------------------------------------------
@@ -125,18 +156,21 @@ def quantize_f32(x, tt):
     return quantize(x, T(tt))
 
 
-def gpt2_byte_tokens():
-    """GPT-2's byte -> printable unicode mapping, as 256 token strings in byte order."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable unicode map (written here, independently of pykv.tokenizer's: the
+    tests' BPE encoder is an oracle for pykv's tokenizer)."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAC + 1)) + list(range(0xAE, 0xFF + 1))
+    table, extra = {}, 0
     for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    m = dict(zip(bs, cs))
-    return [chr(m[b]) for b in range(256)]
+        if b in keep:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+B2U = bytes_to_unicode()
 
 
 def write_tiny_gguf(path, types, *, dim=256, ff=512, n_heads=4, n_kv=2, n_layers=2, seed=0,
@@ -145,7 +179,7 @@ def write_tiny_gguf(path, types, *, dim=256, ff=512, n_heads=4, n_kv=2, n_layers
     or 'default' to a ggml type. Tokenizer: gpt2 BPE over the 256 byte tokens + <s>, </s> + merges."""
     import gguf
     rng = np.random.default_rng(seed)
-    toks = gpt2_byte_tokens() + ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "Ġt", "Ġth", "Ġthe"]
+    toks = [B2U[b] for b in range(256)] + ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "Ġt", "Ġth", "Ġthe"]
     merges = ["Ġ t", "Ġt h", "Ġth e"]
     ttype = [1] * 256 + [3, 3, 3, 1, 1, 1]
     V = len(toks)

@@ -1,7 +1,7 @@
 """Fused attention over the paged, quantized KV cache against a float64 reference.
 
 The reference is tests/reference.py `attention()` over the K/V rows the cache actually stores,
-dequantized row by row with kvquant (KIVI keys: kivi_dequant_k on full pages, the f16 residual rows
+dequantized row by row with kvquant (KIVI keys: blocks.deq_kivi_k_rows on full pages, the f16 residual rows
 for the newest partial page).  So the only allowed difference is float32 arithmetic in the kernel:
 1e-4 relative per (query token, head) output vector.
 
@@ -19,7 +19,8 @@ import pytest
 
 from pykv.config import Config
 from pykv.formats import KV_FORMATS, bytes_per_token
-from pykv.kernels.kvquant import dequantize_row, kivi_dequant_k
+from pykv.kernels.blocks import deq_kivi_k_rows
+from pykv.kernels.kvquant import dequantize_row
 from pykv.kv_cache import KVCache
 
 from .reference import attention as ref_attention
@@ -69,6 +70,7 @@ def dequant_cache(cache, seq, li=0):
         res = cache.residual(seq, li, name)
         sink = cache.sink(seq, li, name)
         x = np.zeros((n, KVH, HD), np.float32)
+        dk, mk = np.empty(HD, np.float32), np.empty(HD, np.float32)
         rb = pool.shape[2] // P
         for j in range(n):
             page = seq.page_table[j // P]
@@ -78,7 +80,7 @@ def dequant_cache(cache, seq, li=0):
                 elif j >= nq:
                     dequantize_row(cache.F16_CODE, res[g, j % res.shape[1]], x[j, g])
                 elif name == "k" and l.k_bits:
-                    kivi_dequant_k(l.k_bits, pool[g, page], j % P, P, x[j, g])
+                    deq_kivi_k_rows(l.k_bits, pool[g, page], j % P, 1, x[j, g][None], dk, mk)
                 else:
                     o = (j % P) * rb
                     dequantize_row(fmt.code, pool[g, page, o:o + rb], x[j, g])

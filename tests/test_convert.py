@@ -17,6 +17,7 @@ from pykv import hf
 
 sys.path.insert(0, str(Path(__file__).parent))
 import hf_reference as R  # noqa: E402
+from tests.reference import rope_pairs  # noqa: E402
 
 DATA = Path(__file__).parent / "data"
 TEXT = (DATA / "eval-gpl3.txt").read_text(encoding="utf-8")
@@ -114,8 +115,8 @@ def test_permutation_roundtrip_and_rope_equivalence():
     # pair-RoPE on permuted projections == rotate-half RoPE on the HF projections (then permuted)
     x = rng.standard_normal((4, n_in))
     pos = np.arange(4.0)
-    q_hf = R._rope_half((x @ w.T).reshape(4, n_head, hd), pos, 10000.0)
-    q_gg = R._rope_pairs((x @ p.T).reshape(4, n_head, hd), pos, 10000.0)
+    q_hf = R.rope_half((x @ w.T).reshape(4, n_head, hd), pos, 10000.0)
+    q_gg = rope_pairs((x @ p.T).reshape(4, n_head, hd), pos, 10000.0)
     assert np.allclose(C.permute_qk(q_hf.reshape(4, -1).T, n_head).T, q_gg.reshape(4, -1))
 
 
@@ -401,6 +402,7 @@ def test_cli(tiny_bpe, tmp_path):
     assert p.stderr.count("\r") == 0  # no progress bar when stderr is not a TTY
     p = run("convert", str(d), str(out))
     assert p.returncode == 2 and "output exists" in p.stderr and len(p.stderr.strip().splitlines()) == 1
+    assert p.stderr.startswith("pykv: error: ")      # the CLI's one error format
     p = run("quantize", str(out), str(tmp_path / "q.gguf"), "Q4_1", "--output-tensor-type", "q8_0")
     assert p.returncode == 0, p.stderr
     p = run("info", str(tmp_path / "q.gguf"))

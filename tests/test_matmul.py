@@ -43,15 +43,36 @@ def make_weight(t, rows, cols, rng):
     return data, ref
 
 
+def q8_blocks(x):
+    """The kernels' q8 activation blocks of x (T, cols): int8 codes (T, cols), scales (T, cols // 32)."""
+    T, cols = x.shape
+    xq = np.zeros((T, cols), np.int8)
+    xd, xs, xf = (np.zeros((T, cols // 32), dt) for dt in (np.float32, np.int32, np.float32))
+    M.quantize_act_q8(np.ascontiguousarray(x, np.float32), T, xq, xd, xs, xf)
+    return xq, xd
+
+
 def q8_emulate(x):
-    """float64 x after llama.cpp-style q8 quantization in blocks of 32 (what the integer path sees)."""
-    xb = x.astype(np.float32).reshape(x.shape[0], -1, 32)
-    d = np.abs(xb).max(axis=-1, keepdims=True) / np.float32(127)
-    with np.errstate(divide="ignore"):
-        idd = np.where(d == 0, np.float32(0), np.float32(1) / d).astype(np.float32)
-    v = xb * idd
-    q = np.sign(v) * np.floor(np.abs(v) + np.float32(0.5))
-    return (q.astype(np.float64) * d.astype(np.float64)).reshape(x.shape)
+    """float64 x after the q8 activation quantization (what the integer path sees)."""
+    xq, xd = q8_blocks(x)
+    return (xq.reshape(x.shape[0], -1, 32) * xd[..., None].astype(np.float64)).reshape(x.shape)
+
+
+def test_q8_activation_blocks_match_gguf_q8_0():
+    """The activation quantizer gives gguf's q8_0 codes (ggml's, bit for bit) and its f16 scales."""
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((6, 256)).astype(np.float32) * np.float32(3)
+    x[1] *= np.float32(1e-4)
+    x[2, :32] = 0.0                                         # an all-zero block
+    x[3] = rng.integers(-254, 255, 256) / np.float32(2)     # exact .5 ties
+    x[3, ::32] = 127.0
+    x[4, 7] = 900.0                                         # an outlier
+    xq, xd = q8_blocks(x)
+    ref = np.ascontiguousarray(quants.quantize(x, GT.Q8_0)).view(np.uint8).reshape(6, -1, 34)
+    assert np.array_equal(xq.view(np.uint8).reshape(6, -1, 32), ref[:, :, 2:])
+    assert np.array_equal(xd.astype(np.float16), ref[:, :, :2].copy().view(np.float16)[..., 0])
+    # f32 scales: amax / 127 to 1 ulp (fast-math may divide as amax * (1 / 127))
+    np.testing.assert_array_max_ulp(xd, np.abs(x.reshape(6, -1, 32)).max(axis=-1) / np.float32(127), 1)
 
 
 @pytest.fixture(params=[1, 2], ids=lambda n: f"threads{n}")

@@ -5,7 +5,7 @@ from gguf import GGMLQuantizationType as T
 
 import pykv
 from pykv.kernels import matmul as mm
-from tests.reference import ReferenceModel, write_tiny_gguf
+from tests.reference import gguf_forward, perplexity, write_tiny_gguf
 
 TYPE_SETS = {
     "f32": {"default": T.F32},
@@ -33,7 +33,7 @@ def rel_err(a, b):
 def test_tiny_model_matches_float64_reference(tiny):
     name, path = tiny
     ids = [5, 77, 3, 260, 261, 9, 140, 33, 2, 250, 1]
-    want = ReferenceModel(path).forward(ids)
+    want = gguf_forward(path, ids)
     mm.set_exact(True)
     try:
         m = pykv.load(path, n_ctx=64, n_batch=4)       # several batches: prefill + cache reuse
@@ -58,10 +58,7 @@ def test_tiny_decode_equals_prefill(tiny):
 
 
 def _ppl_top1(logits, ids):
-    lg = logits[:-1].astype(np.float64)
-    lse = np.log(np.exp(lg - lg.max(1, keepdims=True)).sum(1)) + lg.max(1)
-    lp = lg[np.arange(len(ids) - 1), ids[1:]] - lse
-    return float(np.exp(-lp.mean())), logits[:-1].argmax(1)
+    return perplexity(logits, ids), logits[:-1].argmax(1)
 
 
 @pytest.mark.parametrize("exact", [False, True], ids=["default-kernels", "float-activations"])

@@ -10,16 +10,11 @@ import sys
 import numpy as np
 
 import pykv
+from pykv.evaluate import log_softmax
 from pykv.formats import KV_FORMATS
 
 LLAMACPP = {  # llama.cpp (llama-cpp-python 0.3.36) on the same text, from ../shared/reference
     "f16": 19.345, "q8_0": 19.316, "q4_0": 20.553, "q4_1": 20.479, "q5_0": 20.081, "iq4_nl": 19.705}
-
-
-def log_softmax(lg):
-    x = lg.astype(np.float64)
-    x -= x.max(1, keepdims=True)
-    return x - np.log(np.exp(x).sum(1, keepdims=True))
 
 
 def main():

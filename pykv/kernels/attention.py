@@ -5,8 +5,9 @@ query rows are the TB query tokens x G = H/KVH heads that share the KV head (dec
 G heads).  Keys are walked in segments of at most TILE tokens that stay inside one page (and on one
 side of the quantized / f16-residual boundary).  Per segment:
 
-  1. the segment's K rows are decoded ONCE into a small f32 tile (L1-resident, TILE x HD), by a loop
-     specialized per format over the whole segment (one format dispatch per segment, not per row);
+  1. the segment's K rows are decoded ONCE into a small f32 tile (L1-resident, TILE x HD) by
+     kernels.blocks.deq_rows (one format dispatch per segment, not per row; inlined, so it is built
+     with this module's fast-math flags);
   2. scores s[row, r] = dot(q[row], K[r]) for every query row (the decode work is shared by the
      G heads and, in prefill, by the TB query tokens);
   3. online softmax per query row, rescaling (m, l, acc) once per segment, p = exp(s - m) by a
@@ -27,55 +28,20 @@ Pools (one per layer, K and V):  uint8[KVH, n_pages, P * row_bytes]  (token-majo
 Residual (KIVI types only): uint8[KVH, P, 2 * HD] f16 rows of the sequence's newest, not yet full page.
 """
 import numpy as np
-from llvmlite import ir
-from numba import njit, prange, types
-from numba.extending import intrinsic
+from numba import njit, prange
 
-from ..formats import (CODE_BF16, CODE_F16, CODE_F32, CODE_FP8_E4M3, CODE_FP8_E5M2, CODE_INT2,
-                       CODE_INT4, CODE_IQ4_NL, CODE_Q4_0, CODE_Q4_1, CODE_Q5_0, CODE_Q5_1, CODE_Q8_0)
-from .kvquant import KVALUES_IQ4NL, bits_f32
-from .simd import deq_q4_0, deq_q4_1, deq_q8_0, prefetch
+from .blocks import deq_kivi_k_rows, deq_rows
+from .simd import bits_f32, prefetch
 
 TILE = 32          # keys per segment (the f32 K and V tiles: TILE x HD floats each)
 PF_AHEAD = 2       # segments ahead whose pool rows are prefetched
 QBLOCK = 8         # query tokens per work item in prefill
 _FM = {"reassoc", "contract", "nsz", "arcp"}   # no nnan / ninf: -inf is a real state here
-_IQ4NL_F = KVALUES_IQ4NL.astype(np.float32)
-U = np.uint64
 
 
 # ----------------------------------------------------------------------------------------------
 # scalar helpers
 # ----------------------------------------------------------------------------------------------
-
-@intrinsic
-def _h2f(typingctx, x):
-    """IEEE half bits (any integer type, low 16 bits) -> float32, exact (inf / NaN / subnormals
-    included) via LLVM `fpext half`: one vcvtph2ps lane on x86 with F16C, vectorized in loops."""
-    if isinstance(x, types.Integer):
-        def codegen(context, builder, sig, args):
-            v = args[0]
-            w = v.type.width
-            if w > 16:
-                v = builder.trunc(v, ir.IntType(16))
-            elif w < 16:
-                v = builder.zext(v, ir.IntType(16))
-            return builder.fpext(builder.bitcast(v, ir.HalfType()), ir.FloatType())
-        return types.float32(x), codegen
-    return None
-
-
-@njit(cache=True, inline="always")
-def _f16(src, o):
-    return _h2f(np.uint16(src[o]) | (np.uint16(src[o + U(1)]) << np.uint16(8)))
-
-
-@njit(cache=True, inline="always")
-def _f32(src, o):
-    return bits_f32(np.uint32(np.uint32(src[o]) | (np.uint32(src[o + U(1)]) << np.uint32(8))
-                              | (np.uint32(src[o + U(2)]) << np.uint32(16))
-                              | (np.uint32(src[o + U(3)]) << np.uint32(24))))
-
 
 @njit(cache=True, fastmath=_FM, inline="always")
 def _exp_neg(x):
@@ -94,137 +60,6 @@ def _exp_neg(x):
     p = p * r + np.float32(1.0)
     e = bits_f32(np.uint32((np.int32(k) + 127) << 23))
     return p * e if x >= np.float32(-87.0) else np.float32(0.0)
-
-
-# ----------------------------------------------------------------------------------------------
-# tile decoders: n rows of one page (row r at byte o0 + r * rb of src) -> out[0:n, 0:HD] f32
-# ----------------------------------------------------------------------------------------------
-
-@njit(cache=True, inline="always")
-def _opaque_bs(HD):
-    """32, in a form LLVM cannot constant-fold (see kvquant's vectorization notes): with a literal
-    32 the block loops get fully unrolled and vectorized across blocks with gathers (3x slower)."""
-    nb = HD // 32
-    return HD // nb if nb > 0 else 32
-
-
-@njit(cache=True, fastmath=_FM, inline="always")
-def _deq_tile(code, src, o0, rb, n, out):
-    HD = out.shape[1]
-    nb = HD // 32
-    bs = _opaque_bs(HD)
-    qb = bs // 4
-    if code == CODE_F16:
-        for r in range(n):
-            o = U(o0 + r * rb)
-            for i in range(HD):
-                out[r, U(i)] = _f16(src, o + U(2 * i))
-    elif code == CODE_Q8_0:          # whole-block vector decoders (simd.py): LLVM left these scalar
-        for r in range(n):
-            for b in range(nb):
-                deq_q8_0(src, o0 + r * rb + 34 * b, out, r * HD + 32 * b)
-    elif code == CODE_Q4_0:
-        for r in range(n):
-            for b in range(nb):
-                deq_q4_0(src, o0 + r * rb + 18 * b, out, r * HD + 32 * b)
-    elif code == CODE_Q4_1 or code == CODE_INT4:   # same bytes: [f16 d][f16 m][16 nibble bytes]
-        for r in range(n):
-            for b in range(nb):
-                deq_q4_1(src, o0 + r * rb + 20 * b, out, r * HD + 32 * b)
-    elif code == CODE_IQ4_NL:      # literal 32 measured faster here (table lookups: gathers anyway)
-        for r in range(n):
-            for b in range(nb):
-                o = U(o0 + r * rb + 18 * b)
-                d = _f16(src, o)
-                for j in range(16):
-                    v = src[o + U(2 + j)]
-                    out[r, 32 * b + j] = d * _IQ4NL_F[v & 0xF]
-                    out[r, 32 * b + 16 + j] = d * _IQ4NL_F[v >> 4]
-    elif code == CODE_Q5_0 or code == CODE_Q5_1:   # literal 32 measured faster here
-        asym = code == CODE_Q5_1
-        bb = 24 if asym else 22
-        ho = 4 if asym else 2
-        off = 0 if asym else 16
-        for r in range(n):
-            for b in range(nb):
-                o = U(o0 + r * rb + bb * b)
-                d = _f16(src, o)
-                m = _f16(src, o + U(2)) if asym else np.float32(0.0)
-                h = o + U(ho)
-                qh = (np.int32(src[h]) | (np.int32(src[h + U(1)]) << 8) | (np.int32(src[h + U(2)]) << 16)
-                      | (np.int32(src[h + U(3)]) << 24))
-                for j in range(16):
-                    v = np.int32(src[h + U(4 + j)])
-                    n0 = ((v & 0xF) | (((qh >> j) & 1) << 4)) - off
-                    n1 = ((v >> 4) | (((qh >> (j + 16)) & 1) << 4)) - off
-                    out[r, 32 * b + j] = d * np.float32(n0) + m
-                    out[r, 32 * b + 16 + j] = d * np.float32(n1) + m
-    elif code == CODE_INT2:
-        for r in range(n):
-            for b in range(nb):
-                o = U(o0 + r * rb + 12 * b)
-                d = _f16(src, o)
-                m = _f16(src, o + U(2))
-                for k in range(4):
-                    for j in range(qb):
-                        v = np.int32(src[o + U(4 + j)])
-                        out[r, U(bs * b + qb * k + j)] = d * np.float32((v >> (2 * k)) & 3) + m
-    elif code == CODE_FP8_E5M2:     # e5m2 is the top byte of an f16
-        for r in range(n):
-            o = U(o0 + r * rb)
-            s = _f32(src, o)
-            for i in range(HD):
-                out[r, U(i)] = _h2f(np.uint16(src[o + U(4 + i)]) << np.uint16(8)) * s
-    elif code == CODE_FP8_E4M3:
-        # S.EEEE.MMM -> f16 S.0EEEE.MMM0000000 = value * 2^-8 (subnormals too); 0x7F / 0xFF are NaN
-        for r in range(n):
-            o = U(o0 + r * rb)
-            s = _f32(src, o) * np.float32(256.0)
-            for i in range(HD):
-                b = np.uint16(src[o + U(4 + i)])
-                v = _h2f(((b & np.uint16(0x80)) << np.uint16(8)) | ((b & np.uint16(0x7F)) << np.uint16(7)))
-                out[r, U(i)] = v * s if (b & np.uint16(0x7F)) != np.uint16(0x7F) else np.float32(np.nan)
-    elif code == CODE_F32:
-        for r in range(n):
-            o = U(o0 + r * rb)
-            for i in range(HD):
-                out[r, U(i)] = _f32(src, o + U(4 * i))
-    elif code == CODE_BF16:
-        for r in range(n):
-            o = U(o0 + r * rb)
-            for i in range(HD):
-                out[r, U(i)] = bits_f32(np.uint32((np.uint32(src[o + U(2 * i)]) << np.uint32(16))
-                                                  | (np.uint32(src[o + U(2 * i + 1)]) << np.uint32(24))))
-    else:
-        raise ValueError("unknown KV format code")
-
-
-@njit(cache=True, fastmath=_FM, inline="always")
-def _deq_kivi_k_tile(bits, page, s0, n, out, dk, mk):
-    """Rows s0 .. s0+n of a KIVI key page -> out[0:n]: code * d[c] + m[c] (per-channel d, m)."""
-    HD = out.shape[1]
-    for c in range(HD):
-        dk[c] = _f16(page, U(2 * c))
-        mk[c] = _f16(page, U(2 * HD + 2 * c))
-    rb = HD * bits // 8
-    for r in range(n):
-        o = U(4 * HD + (s0 + r) * rb)
-        if bits == 4:
-            for b in range(HD // 32):
-                for j in range(16):
-                    v = np.int32(page[o + U(16 * b + j)])
-                    c = 32 * b + j
-                    out[r, c] = np.float32(v & 0xF) * dk[c] + mk[c]
-                    out[r, c + 16] = np.float32(v >> 4) * dk[c + 16] + mk[c + 16]
-        else:
-            for b in range(HD // 32):
-                for j in range(8):
-                    v = np.int32(page[o + U(8 * b + j)])
-                    c = 32 * b + j
-                    out[r, c] = np.float32(v & 3) * dk[c] + mk[c]
-                    out[r, c + 8] = np.float32((v >> 2) & 3) * dk[c + 8] + mk[c + 8]
-                    out[r, c + 16] = np.float32((v >> 4) & 3) * dk[c + 16] + mk[c + 16]
-                    out[r, c + 24] = np.float32((v >> 6) & 3) * dk[c + 24] + mk[c + 24]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -411,13 +246,13 @@ def _item(q, kpool, vpool, kres, vres, ksink, vsink, page_table, n_past, ns_k, n
                     prefetch(vp, o)
         # ---- K tile
         if j < ns_k:                                 # attention-sink tokens: exact f16 copies
-            _deq_tile(rcode, ksink[g].reshape(NS * rbr), j * rbr, rbr, n, kt)
+            deq_rows(rcode, ksink[g].reshape(NS * rbr), j * rbr, rbr, n, kt)
         elif j >= nq_k:
-            _deq_tile(rcode, kres[g].reshape(RING * rbr), (j % RING) * rbr, rbr, n, kt)
+            deq_rows(rcode, kres[g].reshape(RING * rbr), (j % RING) * rbr, rbr, n, kt)
         elif kbits > 0:
-            _deq_kivi_k_tile(kbits, kpool[g, page], sp, n, kt, dk, mk)
+            deq_kivi_k_rows(kbits, kpool[g, page], sp, n, kt, dk, mk)
         else:
-            _deq_tile(kcode, kpool[g, page], sp * rbk, rbk, n, kt)
+            deq_rows(kcode, kpool[g, page], sp * rbk, rbk, n, kt)
         # ---- scores (three query rows per pass over the K tile where all three see the whole
         # tile: every decode row), then online softmax per query row
         x3 = 0
@@ -449,11 +284,11 @@ def _item(q, kpool, vpool, kres, vres, ksink, vsink, page_table, n_past, ns_k, n
             lrow[x] += ls
         # ---- V tile
         if j < ns_v:
-            _deq_tile(rcode, vsink[g].reshape(NS * rbr), j * rbr, rbr, n, vt)
+            deq_rows(rcode, vsink[g].reshape(NS * rbr), j * rbr, rbr, n, vt)
         elif j >= nq_v:
-            _deq_tile(rcode, vres[g].reshape(RING * rbr), (j % RING) * rbr, rbr, n, vt)
+            deq_rows(rcode, vres[g].reshape(RING * rbr), (j % RING) * rbr, rbr, n, vt)
         else:
-            _deq_tile(vcode, vpool[g, page], sp * rbv, rbv, n, vt)
+            deq_rows(vcode, vpool[g, page], sp * rbv, rbv, n, vt)
         for x in range(R):
             if lim[x] <= j:
                 continue

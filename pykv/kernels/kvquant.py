@@ -1,26 +1,21 @@
-"""Numba kernels that quantize, dequantize and consume ONE token head vector (a "row") of a KV cache.
+"""Numba kernels that quantize and dequantize ONE token head vector (a "row") of a KV cache.
 
 Every kernel dispatches on the integer format code of ``pykv.formats`` (``CODE_*``) and works on one
-row in a ``uint8`` buffer, so the attention kernel can call them from inside its own ``prange`` loops:
+row in a ``uint8`` buffer:
 
     quantize_row(code, x f32[HD], dst u8[row_bytes])            once per token on append
-    dequantize_row(code, src u8[row_bytes], out f32[HD])
-    dot_row(code, q f32[HD], src) -> f32                         dot(q, dequant(src)), no temp row
-    axpy_row(code, p, src, acc f32[HD])                          acc += p * dequant(src)
-    quantize_query_q8(q, qq i8[HD], qd f32[HD//32])              q8 query (f32 block scales)
-    quantize_query_q8s(q, qq, qd, qsum i32[HD//32])              ... plus per-block sum(qq)
-    dot_row_q8(code, qq, qd, src) -> f32                         integer block sums x scales
-    dot_row_q8s(code, qq, qd, qsum, src) -> f32                  same, with precomputed sum(qq)
-    quantize_rows(code, X f32[N, HD], dst u8[N, row_bytes])      prange over rows
-    dequantize_rows(code, src u8[N, row_bytes], out f32[N, HD])  prange over rows
+    dequantize_row(code, src u8[row_bytes], out f32[HD])        KIVI page flushes (kernels.blocks.deq_rows)
+    quantize_rows(code, X f32[N, HD], dst u8[N, row_bytes], ntry=-1)   prange over rows (convert tool)
+
+The paged cache (pykv.kv_cache) appends through three kernels built on them:
+
+    append_rows(x f32[T, KVH, HD], pool, page_table, start, P, code)   tokens into their page slots
+    write_residual(x, res, start, P, rcode)                             f16 rows (sinks, KIVI window)
+    flush_residual(res, r0, pool, page, P, rcode, code, kbits, tmp)     a full residual page -> pool
 
 KIVI keys live in pages (per channel across the P tokens of a page):
 
-    kivi_quantize_kpage(bits, xk f32[P, HD], dst u8[page_bytes])
-    kivi_dequant_k(bits, page, t, P, out f32[HD])
-    kivi_dot_k(bits, q f32[HD], page, t, P) -> f32
-    kivi_k_prep(bits, q, page, P, qd f32[HD]) -> f32 (qm)       once per (query, page) ...
-    kivi_dot_k_prepped(bits, qd, qm, page, t, P) -> f32         ... then one cheap dot per token
+    kivi_quantize_kpage(bits, xk f32[P, HD], dst u8[page_bytes])   (decoded by kernels.blocks.deq_kivi_k_rows)
 
 Byte layouts (little endian):
   f32 / f16 / bf16: the values.  f16 rounding = numpy astype(float16) (RNE, numpy's NaN mapping);
@@ -45,52 +40,23 @@ Byte layouts (little endian):
     channels exactly like a value row's codes (without the per-group d/m).  Token-major keeps one
     token's key contiguous, so a dot is one contiguous pass over HD*bits/8 bytes.
 
-Float arithmetic in quantize/dequantize is compiled without fast-math (bit-exactness); the dot / axpy
-kernels use reassociation (so the loops vectorize): they match a float64 reference to ~1e-6 relative.
-
-Calling from an attention kernel: dot_row, axpy_row, dot_row_q8(s), kivi_dot_k* and their per-format
-helpers are ``inline='always'`` (Numba-IR inlining: no call, no NRT incref/decref per row, ~3x faster
-for a 64-value row).  Inlined code is lowered with the CALLER's flags, so compile the caller with
-``fastmath=KV_FASTMATH`` (otherwise the float reductions stay scalar), and make the format code a
-compile-time constant where possible (a literal / ``numba.literally``): with a constant code LLVM drops
-the dispatch and a q8_0 / q4_0 dot of a 64-value row costs ~5-6 ns here; with a runtime code ~20 ns.
+Float arithmetic here is compiled without fast-math (bit-exactness).  Attention (kernels.attention)
+does not call these row kernels: it decodes tiles of K / V rows with kernels.blocks.deq_rows, the
+decoders dequantize_row uses.
 """
 from __future__ import annotations
 
 import numpy as np
-from llvmlite import ir
-from numba import njit, prange, types
-from numba.extending import intrinsic
+from numba import njit, prange
 
 from ..formats import (CODE_BF16, CODE_F16, CODE_F32, CODE_FP8_E4M3, CODE_FP8_E5M2, CODE_INT2,
                        CODE_INT4, CODE_IQ4_NL, CODE_Q4_0, CODE_Q4_1, CODE_Q5_0, CODE_Q5_1, CODE_Q8_0)
-
-_FM = {"reassoc", "contract", "nsz"}  # fast-math subset for dot / axpy (no nnan/ninf)
-KV_FASTMATH = _FM
+from .blocks import IQ4NL_F, deq_rows
+from .simd import bits_f32, f32_bits, h2f
 
 # ----------------------------------------------------------------------------------------------
 # bit casts and scalar helpers
 # ----------------------------------------------------------------------------------------------
-
-
-@intrinsic
-def f32_bits(typingctx, x):
-    """Reinterpret a float32 as uint32."""
-    if isinstance(x, types.Float) and x.bitwidth == 32:
-        def codegen(context, builder, sig, args):
-            return builder.bitcast(args[0], ir.IntType(32))
-        return types.uint32(types.float32), codegen
-    return None
-
-
-@intrinsic
-def bits_f32(typingctx, u):
-    """Reinterpret a uint32 as float32."""
-    if isinstance(u, types.Integer) and u.bitwidth == 32:
-        def codegen(context, builder, sig, args):
-            return builder.bitcast(args[0], ir.FloatType())
-        return types.float32(u), codegen
-    return None
 
 
 @njit(cache=True)
@@ -134,21 +100,6 @@ def f32_to_f16_bits(x):
 
 
 @njit(cache=True)
-def f16_bits_to_f32(h):
-    """IEEE half bits -> float32 (exact)."""
-    h = np.int64(h)
-    s = (h & 0x8000) << 16
-    e = (h >> 10) & 0x1F
-    m = h & 0x3FF
-    if e == 0:
-        v = np.float32(m) * np.float32(5.9604644775390625e-08)  # m * 2^-24, exact
-        return -v if s != 0 else v
-    if e == 31:
-        return bits_f32(_u32(s | 0x7F800000 | (m << 13)))
-    return bits_f32(_u32(s | ((e + 112) << 23) | (m << 13)))
-
-
-@njit(cache=True)
 def f16_next_down(h):
     if h == 0:
         return 0x8001
@@ -167,11 +118,6 @@ def f16_next_up(h):
 
 
 @njit(cache=True)
-def rd_f16(buf, o):
-    return f16_bits_to_f32(np.int64(buf[o]) | (np.int64(buf[o + 1]) << 8))
-
-
-@njit(cache=True)
 def wr_u16(buf, o, h):
     buf[o] = np.uint8(h & 0xFF)
     buf[o + 1] = np.uint8((h >> 8) & 0xFF)
@@ -180,13 +126,6 @@ def wr_u16(buf, o, h):
 @njit(cache=True)
 def wr_f16(buf, o, x):
     wr_u16(buf, o, f32_to_f16_bits(x))
-
-
-@njit(cache=True)
-def rd_f32(buf, o):
-    u = (np.int64(buf[o]) | (np.int64(buf[o + 1]) << 8) | (np.int64(buf[o + 2]) << 16)
-         | (np.int64(buf[o + 3]) << 24))
-    return bits_f32(_u32(u))
 
 
 @njit(cache=True)
@@ -226,11 +165,6 @@ def bf16_bits(x):
         n = (n & 0xFFFF0000) | (64 << 16)
     n = (n + (0x7FFF + ((n >> 16) & 1))) >> 16
     return n & 0xFFFF
-
-
-@njit(cache=True)
-def bf16_to_f32(buf, o):
-    return bits_f32(_u32((np.int64(buf[o]) | (np.int64(buf[o + 1]) << 8)) << 16))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -337,15 +271,10 @@ def _qblk_q5_1(x, xo, dst, do):
         dst[do + 4 + k] = np.uint8((qh >> (8 * k)) & 0xFF)
 
 
-KVALUES_IQ4NL = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113],
-                         dtype=np.int8)
-_KV_IQ4NL_F = KVALUES_IQ4NL.astype(np.float32)
-
-
 @njit(cache=True)
 def _best_index_iq4nl(x):
     """ggml best_index_int8 over the iq4_nl table, float32 arithmetic."""
-    val = _KV_IQ4NL_F
+    val = IQ4NL_F
     if x <= val[0]:
         return 0
     if x >= val[15]:
@@ -365,7 +294,7 @@ def _best_index_iq4nl(x):
 
 @njit(cache=True)
 def _iq4nl_sums(x, xo, idd):
-    val = _KV_IQ4NL_F
+    val = IQ4NL_F
     sumqx = np.float32(0.0)
     sumq2 = np.float32(0.0)
     for j in range(32):
@@ -379,7 +308,7 @@ def _iq4nl_sums(x, xo, idd):
 
 @njit(cache=True)
 def _qblk_iq4_nl(x, xo, dst, do, ntry):
-    val = _KV_IQ4NL_F
+    val = IQ4NL_F
     mx = _absmax_signed(x, xo, 32)
     if abs(mx) < np.float32(1e-15):
         wr_u16(dst, do, 0)
@@ -415,26 +344,6 @@ def _qblk_iq4_nl(x, xo, dst, do, ntry):
 # fp8 (OCP e4m3fn / e5m2), per-row f32 scale
 # ----------------------------------------------------------------------------------------------
 
-def _fp8_table(ebits, mbits, bias, has_inf):
-    t = np.zeros(256, dtype=np.float32)
-    for c in range(256):
-        s = -1.0 if c & 0x80 else 1.0
-        e = (c >> mbits) & ((1 << ebits) - 1)
-        m = c & ((1 << mbits) - 1)
-        emax = (1 << ebits) - 1
-        if has_inf and e == emax:
-            t[c] = s * np.inf if m == 0 else np.nan
-        elif (not has_inf) and e == emax and m == (1 << mbits) - 1:
-            t[c] = np.nan
-        elif e == 0:
-            t[c] = s * m * 2.0 ** (1 - bias - mbits)
-        else:
-            t[c] = s * (1 + m / (1 << mbits)) * 2.0 ** (e - bias)
-    return t
-
-
-FP8_E4M3_TABLE = _fp8_table(4, 3, 7, False)
-FP8_E5M2_TABLE = _fp8_table(5, 2, 15, True)
 FP8_E4M3_MAX = np.float32(448.0)
 FP8_E5M2_MAX = np.float32(57344.0)
 
@@ -496,16 +405,16 @@ def _q_fp8(x, dst, e4m3):
 def kivi_params(mn, mx, qmax):
     """(d16, m16, d, m): m = f16 rounded down from mn, d = f16 rounded up so m + qmax*d >= mx."""
     m16 = f32_to_f16_bits(mn)
-    m = f16_bits_to_f32(m16)
+    m = h2f(m16)
     if m > mn:
         m16 = f16_next_down(m16)
-        m = f16_bits_to_f32(m16)
+        m = h2f(m16)
     d = (mx - m) / np.float32(qmax)
     d16 = f32_to_f16_bits(d)
-    df = f16_bits_to_f32(d16)
+    df = h2f(d16)
     if df < d:
         d16 = f16_next_up(d16)
-        df = f16_bits_to_f32(d16)
+        df = h2f(d16)
     return d16, m16, df, m
 
 
@@ -602,554 +511,7 @@ def quantize_row(code, x, dst):
 
 @njit(cache=True)
 def dequantize_row(code, src, out):
-    n = out.shape[0]
-    if code == CODE_F32:
-        for j in range(n):
-            out[j] = rd_f32(src, 4 * j)
-    elif code == CODE_F16:
-        for j in range(n):
-            out[j] = rd_f16(src, 2 * j)
-    elif code == CODE_BF16:
-        for j in range(n):
-            out[j] = bf16_to_f32(src, 2 * j)
-    elif code == CODE_Q8_0:
-        for b in range(n // 32):
-            o = 34 * b
-            d = rd_f16(src, o)
-            for j in range(32):
-                out[32 * b + j] = np.float32(np.int8(src[o + 2 + j])) * d
-    elif code == CODE_Q4_0 or code == CODE_IQ4_NL:
-        for b in range(n // 32):
-            o = 18 * b
-            d = rd_f16(src, o)
-            for j in range(16):
-                v = np.int64(src[o + 2 + j])
-                if code == CODE_Q4_0:
-                    out[32 * b + j] = d * np.float32((v & 0xF) - 8)
-                    out[32 * b + 16 + j] = d * np.float32((v >> 4) - 8)
-                else:
-                    out[32 * b + j] = d * _KV_IQ4NL_F[v & 0xF]
-                    out[32 * b + 16 + j] = d * _KV_IQ4NL_F[v >> 4]
-    elif code == CODE_Q4_1:
-        for b in range(n // 32):
-            o = 20 * b
-            d = rd_f16(src, o)
-            m = rd_f16(src, o + 2)
-            for j in range(16):
-                v = np.int64(src[o + 4 + j])
-                out[32 * b + j] = d * np.float32(v & 0xF) + m
-                out[32 * b + 16 + j] = d * np.float32(v >> 4) + m
-    elif code == CODE_Q5_0 or code == CODE_Q5_1:
-        asym = code == CODE_Q5_1
-        bb = 24 if asym else 22
-        for b in range(n // 32):
-            o = bb * b
-            d = rd_f16(src, o)
-            m = rd_f16(src, o + 2) if asym else np.float32(0.0)
-            ho = o + 4 if asym else o + 2
-            qh = (np.int64(src[ho]) | (np.int64(src[ho + 1]) << 8) | (np.int64(src[ho + 2]) << 16)
-                  | (np.int64(src[ho + 3]) << 24))
-            for j in range(16):
-                v = np.int64(src[ho + 4 + j])
-                q0 = (v & 0xF) | (((qh >> j) & 1) << 4)
-                q1 = (v >> 4) | (((qh >> (j + 16)) & 1) << 4)
-                if asym:
-                    out[32 * b + j] = d * np.float32(q0) + m
-                    out[32 * b + 16 + j] = d * np.float32(q1) + m
-                else:
-                    out[32 * b + j] = d * np.float32(q0 - 16)
-                    out[32 * b + 16 + j] = d * np.float32(q1 - 16)
-    elif code == CODE_FP8_E4M3 or code == CODE_FP8_E5M2:
-        tab = FP8_E4M3_TABLE if code == CODE_FP8_E4M3 else FP8_E5M2_TABLE
-        s = rd_f32(src, 0)
-        for j in range(n):
-            out[j] = tab[src[4 + j]] * s
-    elif code == CODE_INT4 or code == CODE_INT2:
-        bits = 4 if code == CODE_INT4 else 2
-        gb = 4 + 4 * bits
-        for g in range(n // 32):
-            o = gb * g
-            d = rd_f16(src, o)
-            m = rd_f16(src, o + 2)
-            if bits == 4:
-                for j in range(16):
-                    v = np.int64(src[o + 4 + j])
-                    out[32 * g + j] = np.float32(v & 0xF) * d + m
-                    out[32 * g + 16 + j] = np.float32(v >> 4) * d + m
-            else:
-                for j in range(8):
-                    v = np.int64(src[o + 4 + j])
-                    for k in range(4):
-                        out[32 * g + 8 * k + j] = np.float32((v >> (2 * k)) & 3) * d + m
-    else:
-        raise ValueError("unknown KV format code")
-
-
-# ----------------------------------------------------------------------------------------------
-# row API: dot with a float query, axpy
-#
-# Vectorization notes (checked with inspect_llvm): the block loops below index with np.uint64
-# (numba then emits no negative-index wraparound select, which otherwise turns contiguous loads into
-# gathers) and run to an "opaque" block length ``bs = n // (n // 32)`` (== 32, but LLVM cannot fold
-# it): with a literal 32 LLVM fully unrolls the block loop and then vectorizes ACROSS blocks with
-# masked gathers; with the opaque length it vectorizes the contiguous inner loop instead.
-# ----------------------------------------------------------------------------------------------
-
-U = np.uint64
-
-
-@njit(cache=True, inline='always')
-def _bs(n):
-    nb = n // 32
-    if nb == 0:
-        return 32
-    return n // nb
-
-
-@njit(cache=True, fastmath=_FM, inline='always')
-def _dot_q8_0(q, src):
-    n = q.shape[0]
-    bs = _bs(n)
-    s = np.float32(0.0)
-    for b in range(n // 32):
-        qo = bs * b
-        o = 34 * b + 2
-        t = np.float32(0.0)
-        for j in range(bs):
-            t += q[U(qo + j)] * np.float32(np.int8(src[U(o + j)]))
-        s += rd_f16(src, 34 * b) * t
-    return s
-
-
-@njit(cache=True, fastmath=_FM, inline='always')
-def _dot_nib(q, src, bb, hdr, off):
-    """4-bit ggml-style nibbles (q4_0: off 8, q4_1: off 0 and a min): d*sum(q*(n-off)) + m*sum(q)."""
-    n = q.shape[0]
-    hb = _bs(n) // 2
-    s = np.float32(0.0)
-    for b in range(n // 32):
-        o = bb * b
-        qo = 32 * b
-        t = np.float32(0.0)
-        qs = np.float32(0.0)
-        for j in range(hb):
-            v = np.int32(src[U(o + hdr + j)])
-            q0 = q[U(qo + j)]
-            q1 = q[U(qo + hb + j)]
-            t += q0 * np.float32((v & 0xF) - off) + q1 * np.float32((v >> 4) - off)
-            qs += q0 + q1
-        s += rd_f16(src, o) * t
-        if hdr == 4:
-            s += rd_f16(src, o + 2) * qs
-    return s
-
-
-@njit(cache=True, fastmath=_FM, inline='always')
-def _dot_iq4nl(q, src):
-    n = q.shape[0]
-    hb = _bs(n) // 2
-    s = np.float32(0.0)
-    for b in range(n // 32):
-        o = 18 * b
-        qo = 32 * b
-        t = np.float32(0.0)
-        for j in range(hb):
-            v = src[U(o + 2 + j)]
-            t += q[U(qo + j)] * _KV_IQ4NL_F[v & 0xF] + q[U(qo + hb + j)] * _KV_IQ4NL_F[v >> 4]
-        s += rd_f16(src, o) * t
-    return s
-
-
-@njit(cache=True)
-def _rd_u32(src, o):
-    return (np.int32(src[o]) | (np.int32(src[o + 1]) << 8) | (np.int32(src[o + 2]) << 16)
-            | (np.int32(src[o + 3]) << 24))
-
-
-@njit(cache=True, fastmath=_FM, inline='always')
-def _dot_q5(q, src, asym):
-    n = q.shape[0]
-    hb = _bs(n) // 2
-    bb = 24 if asym else 22
-    ho = 4 if asym else 2
-    off = 0 if asym else 16
-    s = np.float32(0.0)
-    for b in range(n // 32):
-        o = bb * b
-        qo = 32 * b
-        qh = _rd_u32(src, o + ho)
-        t = np.float32(0.0)
-        qs = np.float32(0.0)
-        for j in range(hb):
-            v = np.int32(src[U(o + ho + 4 + j)])
-            q0 = q[U(qo + j)]
-            q1 = q[U(qo + hb + j)]
-            n0 = ((v & 0xF) | (((qh >> j) & 1) << 4)) - off
-            n1 = ((v >> 4) | (((qh >> (j + 16)) & 1) << 4)) - off
-            t += q0 * np.float32(n0) + q1 * np.float32(n1)
-            qs += q0 + q1
-        s += rd_f16(src, o) * t
-        if asym:
-            s += rd_f16(src, o + 2) * qs
-    return s
-
-
-@njit(cache=True, fastmath=_FM, inline='always')
-def _dot_kivi(q, src, bits):
-    n = q.shape[0]
-    gb = 4 + 4 * bits
-    s = np.float32(0.0)
-    if bits == 4:
-        hb = _bs(n) // 2
-        for g in range(n // 32):
-            o = gb * g
-            qo = 32 * g
-            t = np.float32(0.0)
-            qs = np.float32(0.0)
-            for j in range(hb):
-                v = np.int32(src[U(o + 4 + j)])
-                q0 = q[U(qo + j)]
-                q1 = q[U(qo + hb + j)]
-                t += q0 * np.float32(v & 0xF) + q1 * np.float32(v >> 4)
-                qs += q0 + q1
-            s += rd_f16(src, o) * t + rd_f16(src, o + 2) * qs
-    else:
-        qb = _bs(n) // 4
-        for g in range(n // 32):
-            o = gb * g
-            qo = 32 * g
-            t = np.float32(0.0)
-            qs = np.float32(0.0)
-            for j in range(qb):
-                v = np.int32(src[U(o + 4 + j)])
-                q0 = q[U(qo + j)]
-                q1 = q[U(qo + qb + j)]
-                q2 = q[U(qo + 2 * qb + j)]
-                q3 = q[U(qo + 3 * qb + j)]
-                t += (q0 * np.float32(v & 3) + q1 * np.float32((v >> 2) & 3)
-                      + q2 * np.float32((v >> 4) & 3) + q3 * np.float32((v >> 6) & 3))
-                qs += q0 + q1 + q2 + q3
-            s += rd_f16(src, o) * t + rd_f16(src, o + 2) * qs
-    return s
-
-
-@njit(cache=True, inline='always')
-def _f16_fast(h):
-    """Half bits (int32) -> float32 without branches on the common path (inf/NaN/subnormal exact)."""
-    e = h & 0x7C00
-    bits = ((h & 0x8000) << 16) | ((h & 0x7FFF) << 13)
-    if e == 0x7C00:
-        return bits_f32(np.uint32(bits | 0x7F800000))
-    if e == 0:
-        return f16_bits_to_f32(h)
-    return bits_f32(np.uint32(bits + (112 << 23)))
-
-
-@njit(cache=True, fastmath=_FM, inline='always')
-def _dot_float(code, q, src):
-    n = q.shape[0]
-    s = np.float32(0.0)
-    if code == CODE_F32:
-        for j in range(n):
-            s += q[j] * rd_f32(src, 4 * j)
-    elif code == CODE_F16:
-        for j in range(n):
-            s += q[j] * _f16_fast(np.int32(src[U(2 * j)]) | (np.int32(src[U(2 * j + 1)]) << 8))
-    elif code == CODE_BF16:
-        for j in range(n):
-            s += q[j] * bits_f32(np.uint32((np.int32(src[U(2 * j)]) << 16)
-                                           | (np.int32(src[U(2 * j + 1)]) << 24)))
-    else:
-        tab = FP8_E4M3_TABLE if code == CODE_FP8_E4M3 else FP8_E5M2_TABLE
-        for j in range(n):
-            s += q[j] * tab[src[U(4 + j)]]
-        s *= rd_f32(src, 0)
-    return s
-
-
-@njit(cache=True, fastmath=_FM, inline='always')
-def dot_row(code, q, src):
-    if code == CODE_Q8_0:
-        return _dot_q8_0(q, src)
-    if code == CODE_Q4_0:
-        return _dot_nib(q, src, 18, 2, 8)
-    if code == CODE_Q4_1:
-        return _dot_nib(q, src, 20, 4, 0)
-    if code == CODE_Q5_0:
-        return _dot_q5(q, src, False)
-    if code == CODE_Q5_1:
-        return _dot_q5(q, src, True)
-    if code == CODE_IQ4_NL:
-        return _dot_iq4nl(q, src)
-    if code == CODE_INT4:
-        return _dot_kivi(q, src, 4)
-    if code == CODE_INT2:
-        return _dot_kivi(q, src, 2)
-    if code < 0 or code > CODE_INT2:
-        raise ValueError("unknown KV format code")
-    return _dot_float(code, q, src)
-
-
-@njit(cache=True, fastmath=_FM, inline='always')
-def axpy_row(code, p, src, acc):
-    n = acc.shape[0]
-    bs = _bs(n)
-    hb = bs // 2
-    p = np.float32(p)
-    if code == CODE_F32:
-        for j in range(n):
-            acc[j] += p * rd_f32(src, 4 * j)
-    elif code == CODE_F16:
-        for j in range(n):
-            acc[j] += p * _f16_fast(np.int32(src[U(2 * j)]) | (np.int32(src[U(2 * j + 1)]) << 8))
-    elif code == CODE_BF16:
-        for j in range(n):
-            acc[j] += p * bits_f32(np.uint32((np.int32(src[U(2 * j)]) << 16)
-                                             | (np.int32(src[U(2 * j + 1)]) << 24)))
-    elif code == CODE_Q8_0:
-        for b in range(n // 32):
-            o = 34 * b + 2
-            ao = bs * b
-            pd = p * rd_f16(src, 34 * b)
-            for j in range(bs):
-                acc[U(ao + j)] += pd * np.float32(np.int8(src[U(o + j)]))
-    elif code == CODE_Q4_0 or code == CODE_Q4_1:
-        asym = code == CODE_Q4_1
-        bb = 20 if asym else 18
-        hdr = 4 if asym else 2
-        off = 0 if asym else 8
-        for b in range(n // 32):
-            o = bb * b
-            ao = 32 * b
-            d = rd_f16(src, o)
-            m = rd_f16(src, o + 2) if asym else np.float32(0.0)
-            for j in range(hb):
-                v = np.int32(src[U(o + hdr + j)])
-                acc[U(ao + j)] += p * (d * np.float32((v & 0xF) - off) + m)
-                acc[U(ao + hb + j)] += p * (d * np.float32((v >> 4) - off) + m)
-    elif code == CODE_IQ4_NL:
-        for b in range(n // 32):
-            o = 18 * b
-            ao = 32 * b
-            pd = p * rd_f16(src, o)
-            for j in range(hb):
-                v = src[U(o + 2 + j)]
-                acc[U(ao + j)] += pd * _KV_IQ4NL_F[v & 0xF]
-                acc[U(ao + hb + j)] += pd * _KV_IQ4NL_F[v >> 4]
-    elif code == CODE_Q5_0 or code == CODE_Q5_1:
-        asym = code == CODE_Q5_1
-        bb = 24 if asym else 22
-        ho = 4 if asym else 2
-        off = 0 if asym else 16
-        for b in range(n // 32):
-            o = bb * b
-            ao = 32 * b
-            d = rd_f16(src, o)
-            m = rd_f16(src, o + 2) if asym else np.float32(0.0)
-            qh = _rd_u32(src, o + ho)
-            for j in range(hb):
-                v = np.int32(src[U(o + ho + 4 + j)])
-                n0 = ((v & 0xF) | (((qh >> j) & 1) << 4)) - off
-                n1 = ((v >> 4) | (((qh >> (j + 16)) & 1) << 4)) - off
-                acc[U(ao + j)] += p * (d * np.float32(n0) + m)
-                acc[U(ao + hb + j)] += p * (d * np.float32(n1) + m)
-    elif code == CODE_FP8_E4M3 or code == CODE_FP8_E5M2:
-        tab = FP8_E4M3_TABLE if code == CODE_FP8_E4M3 else FP8_E5M2_TABLE
-        ps = p * rd_f32(src, 0)
-        for j in range(n):
-            acc[j] += ps * tab[src[U(4 + j)]]
-    elif code == CODE_INT4:
-        for g in range(n // 32):
-            o = 20 * g + 4
-            ao = 32 * g
-            d = rd_f16(src, o - 4)
-            m = rd_f16(src, o - 2)
-            for j in range(hb):
-                v = np.int32(src[U(o + j)])
-                acc[U(ao + j)] += p * (d * np.float32(v & 0xF) + m)
-                acc[U(ao + hb + j)] += p * (d * np.float32(v >> 4) + m)
-    elif code == CODE_INT2:
-        qb = bs // 4
-        for g in range(n // 32):
-            o = 12 * g + 4
-            ao = 32 * g
-            d = rd_f16(src, o - 4)
-            m = rd_f16(src, o - 2)
-            for j in range(qb):
-                v = np.int32(src[U(o + j)])
-                acc[U(ao + j)] += p * (d * np.float32(v & 3) + m)
-                acc[U(ao + qb + j)] += p * (d * np.float32((v >> 2) & 3) + m)
-                acc[U(ao + 2 * qb + j)] += p * (d * np.float32((v >> 4) & 3) + m)
-                acc[U(ao + 3 * qb + j)] += p * (d * np.float32((v >> 6) & 3) + m)
-    else:
-        raise ValueError("unknown KV format code")
-
-
-# ----------------------------------------------------------------------------------------------
-# q8 query: integer block sums
-# ----------------------------------------------------------------------------------------------
-
-@njit(cache=True)
-def quantize_query_q8s(q, qq, qd, qsum):
-    """q -> int8 qq with one f32 scale per 32 (amax/127, round half away) and per-block sum(qq)."""
-    for b in range(q.shape[0] // 32):
-        amax = np.float32(0.0)
-        for j in range(32):
-            a = abs(q[32 * b + j])
-            if a > amax:
-                amax = a
-        d = amax / np.float32(127.0)
-        idd = np.float32(1.0) / d if d != np.float32(0.0) else np.float32(0.0)
-        qd[b] = d
-        s = 0
-        for j in range(32):
-            v = np.int64(roundf_away(q[32 * b + j] * idd))
-            qq[32 * b + j] = np.int8(v)
-            s += v
-        qsum[b] = np.int32(s)
-
-
-@njit(cache=True)
-def quantize_query_q8(q, qq, qd):
-    qsum = np.empty(q.shape[0] // 32, dtype=np.int32)
-    quantize_query_q8s(q, qq, qd, qsum)
-
-
-@njit(cache=True, inline='always')
-def _isum_q8_0(qq, src, qo, o, bs):
-    s = np.int32(0)
-    for j in range(bs):
-        s += np.int32(qq[U(qo + j)]) * np.int32(np.int8(src[U(o + j)]))
-    return s
-
-
-@njit(cache=True, inline='always')
-def _isum_nib(qq, src, qo, o, off, hb):
-    s = np.int32(0)
-    for j in range(hb):
-        v = np.int32(src[U(o + j)])
-        s += np.int32(qq[U(qo + j)]) * ((v & 0xF) - off) + np.int32(qq[U(qo + hb + j)]) * ((v >> 4) - off)
-    return s
-
-
-@njit(cache=True, inline='always')
-def _isum_iq4nl(qq, src, qo, o, hb):
-    s = np.int32(0)
-    for j in range(hb):
-        v = src[U(o + j)]
-        s += (np.int32(qq[U(qo + j)]) * np.int32(KVALUES_IQ4NL[v & 0xF])
-              + np.int32(qq[U(qo + hb + j)]) * np.int32(KVALUES_IQ4NL[v >> 4]))
-    return s
-
-
-@njit(cache=True, inline='always')
-def _isum_q5(qq, src, qo, o, qh, off, hb):
-    s = np.int32(0)
-    for j in range(hb):
-        v = np.int32(src[U(o + j)])
-        n0 = ((v & 0xF) | (((qh >> j) & 1) << 4)) - off
-        n1 = ((v >> 4) | (((qh >> (j + 16)) & 1) << 4)) - off
-        s += np.int32(qq[U(qo + j)]) * n0 + np.int32(qq[U(qo + hb + j)]) * n1
-    return s
-
-
-@njit(cache=True, inline='always')
-def _isum_2bit(qq, src, qo, o, qb):
-    s = np.int32(0)
-    for j in range(qb):
-        v = np.int32(src[U(o + j)])
-        s += (np.int32(qq[U(qo + j)]) * (v & 3) + np.int32(qq[U(qo + qb + j)]) * ((v >> 2) & 3)
-              + np.int32(qq[U(qo + 2 * qb + j)]) * ((v >> 4) & 3)
-              + np.int32(qq[U(qo + 3 * qb + j)]) * ((v >> 6) & 3))
-    return s
-
-
-@njit(cache=True, fastmath=_FM, inline='always')
-def dot_row_q8s(code, qq, qd, qsum, src):
-    """dot(dequant(qq, qd), dequant(src)); integer sums inside each block of 32."""
-    n = qq.shape[0]
-    nb = n // 32
-    bs = _bs(n)
-    hb = bs // 2
-    s = np.float32(0.0)
-    if code == CODE_Q8_0:
-        for b in range(nb):
-            s += np.float32(_isum_q8_0(qq, src, bs * b, 34 * b + 2, bs)) * (qd[b] * rd_f16(src, 34 * b))
-    elif code == CODE_Q4_0:
-        for b in range(nb):
-            s += np.float32(_isum_nib(qq, src, 32 * b, 18 * b + 2, 8, hb)) * (qd[b] * rd_f16(src, 18 * b))
-    elif code == CODE_IQ4_NL:
-        for b in range(nb):
-            s += np.float32(_isum_iq4nl(qq, src, 32 * b, 18 * b + 2, hb)) * (qd[b] * rd_f16(src, 18 * b))
-    elif code == CODE_Q4_1 or code == CODE_INT4:
-        for b in range(nb):
-            o = 20 * b
-            s += qd[b] * (np.float32(_isum_nib(qq, src, 32 * b, o + 4, 0, hb)) * rd_f16(src, o)
-                          + np.float32(qsum[b]) * rd_f16(src, o + 2))
-    elif code == CODE_INT2:
-        for b in range(nb):
-            o = 12 * b
-            s += qd[b] * (np.float32(_isum_2bit(qq, src, 32 * b, o + 4, bs // 4)) * rd_f16(src, o)
-                          + np.float32(qsum[b]) * rd_f16(src, o + 2))
-    elif code == CODE_Q5_0 or code == CODE_Q5_1:
-        asym = code == CODE_Q5_1
-        bb = 24 if asym else 22
-        ho = 4 if asym else 2
-        off = 0 if asym else 16
-        for b in range(nb):
-            o = bb * b
-            qh = _rd_u32(src, o + ho)
-            t = np.float32(_isum_q5(qq, src, 32 * b, o + ho + 4, qh, off, hb)) * rd_f16(src, o)
-            if asym:
-                t += np.float32(qsum[b]) * rd_f16(src, o + 2)
-            s += qd[b] * t
-    elif code >= 0 and code <= CODE_INT2:
-        # float / fp8 rows: float dot with the dequantized query, one query scale per block
-        for b in range(nb):
-            t = np.float32(0.0)
-            qo = bs * b
-            if code == CODE_F32:
-                for j in range(bs):
-                    t += np.float32(qq[U(qo + j)]) * rd_f32(src, 4 * (qo + j))
-            elif code == CODE_F16:
-                for j in range(bs):
-                    i = U(2 * (qo + j))
-                    t += np.float32(qq[U(qo + j)]) * _f16_fast(np.int32(src[i]) | (np.int32(src[i + U(1)]) << 8))
-            elif code == CODE_BF16:
-                for j in range(bs):
-                    i = U(2 * (qo + j))
-                    t += np.float32(qq[U(qo + j)]) * bits_f32(np.uint32((np.int32(src[i]) << 16)
-                                                                        | (np.int32(src[i + U(1)]) << 24)))
-            else:
-                tab = FP8_E4M3_TABLE if code == CODE_FP8_E4M3 else FP8_E5M2_TABLE
-                for j in range(bs):
-                    t += np.float32(qq[U(qo + j)]) * tab[src[U(4 + qo + j)]]
-            s += qd[b] * t
-        if code == CODE_FP8_E4M3 or code == CODE_FP8_E5M2:
-            s *= rd_f32(src, 0)
-    else:
-        raise ValueError("unknown KV format code")
-    return s
-
-
-@njit(cache=True, inline='always')
-def _qsums(qq):
-    nb = qq.shape[0] // 32
-    qsum = np.zeros(nb, dtype=np.int32)
-    for b in range(nb):
-        t = np.int32(0)
-        for j in range(32):
-            t += np.int32(qq[32 * b + j])
-        qsum[b] = t
-    return qsum
-
-
-@njit(cache=True, inline='always')
-def dot_row_q8(code, qq, qd, src):
-    """As dot_row_q8s; the per-block sum(qq) (needed by q4_1/q5_1/int4/int2) is computed here."""
-    if code == CODE_Q4_1 or code == CODE_Q5_1 or code == CODE_INT4 or code == CODE_INT2:
-        return dot_row_q8s(code, qq, qd, _qsums(qq), src)
-    return dot_row_q8s(code, qq, qd, np.empty(0, dtype=np.int32), src)
+    deq_rows(code, src, 0, 0, 1, out.reshape(1, out.shape[0]))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1157,32 +519,19 @@ def dot_row_q8(code, qq, qd, src):
 # ----------------------------------------------------------------------------------------------
 
 @njit(cache=True, parallel=True)
-def quantize_rows(code, X, dst):
-    """Quantize every row of X (row length: any multiple of the block size) into dst[N, row_bytes]."""
+def quantize_rows(code, X, dst, ntry=-1):
+    """Quantize every row of X (row length: any multiple of the block size) into dst[N, row_bytes].
+    ntry: iq4_nl's scale search width (-1: the KV cache's quantize_row_iq4_nl_ref, 7: llama-quantize's)."""
     for i in prange(X.shape[0]):
-        quantize_row(code, X[i], dst[i])
-
-
-@njit(cache=True, parallel=True)
-def quantize_rows_iq4_nl(X, dst, ntry):
-    for i in prange(X.shape[0]):
-        quantize_row_iq4_nl(X[i], dst[i], ntry)
-
-
-@njit(cache=True, parallel=True)
-def dequantize_rows(code, src, out):
-    for i in prange(out.shape[0]):
-        dequantize_row(code, src[i], out[i])
+        if code == CODE_IQ4_NL:
+            quantize_row_iq4_nl(X[i], dst[i], ntry)
+        else:
+            quantize_row(code, X[i], dst[i])
 
 
 # ----------------------------------------------------------------------------------------------
 # KIVI keys: per-channel quantization over a page of P tokens
 # ----------------------------------------------------------------------------------------------
-
-@njit(cache=True)
-def kivi_kpage_bytes(bits, hd, p):
-    return 4 * hd + p * hd * bits // 8
-
 
 @njit(cache=True)
 def kivi_quantize_kpage(bits, xk, dst):
@@ -1219,79 +568,44 @@ def kivi_quantize_kpage(bits, xk, dst):
                                                   | (codes[t, c0 + 24 + j] << 6))
 
 
-@njit(cache=True)
-def kivi_dequant_k(bits, page, t, P, out):
-    hd = out.shape[0]
-    o = 4 * hd + t * (hd * bits // 8)
-    for g in range(hd // 32):
-        c0 = 32 * g
-        if bits == 4:
-            for j in range(16):
-                v = np.int64(page[o + 16 * g + j])
-                c = c0 + j
-                out[c] = np.float32(v & 0xF) * rd_f16(page, 2 * c) + rd_f16(page, 2 * hd + 2 * c)
-                c = c0 + 16 + j
-                out[c] = np.float32(v >> 4) * rd_f16(page, 2 * c) + rd_f16(page, 2 * hd + 2 * c)
+# ----------------------------------------------------------------------------------------------
+# the paged cache (pykv.kv_cache): token rows into pages, the f16 residual rows, page flushes
+# ----------------------------------------------------------------------------------------------
+
+@njit(cache=True, nogil=True)
+def append_rows(x, pool, page_table, start, P, code):
+    # x (T, KVH, HD) f32 -> quantize token start+t, head g into its slot of pool (KVH, n_pages, P*rb).
+    # Serial: a decode step appends KVH rows, far too little work to wake threads for.
+    T, KVH, HD = x.shape
+    rb = pool.shape[2] // P
+    for i in range(T * KVH):
+        t = i // KVH
+        g = i % KVH
+        j = start + t
+        o = (j % P) * rb
+        quantize_row(code, x[t, g], pool[g, page_table[j // P], o:o + rb])
+
+
+@njit(cache=True, nogil=True)
+def write_residual(x, res, start, P, rcode):
+    # x (T, KVH, HD) f32, all in one page -> f16 rows res[g, (start + t) % P]
+    T, KVH, HD = x.shape
+    for t in range(T):
+        for g in range(KVH):
+            quantize_row(rcode, x[t, g], res[g, (start + t) % P])
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def flush_residual(res, r0, pool, page, P, rcode, code, kbits, tmp):
+    # quantize the full page held in residual rows r0 .. r0+P-1 of res (KVH, RING, 2*HD) into
+    # pool[:, page]; tmp (KVH, P, HD) f32 scratch.
+    KVH = res.shape[0]
+    for g in prange(KVH):
+        for s in range(P):
+            dequantize_row(rcode, res[g, r0 + s], tmp[g, s])
+        if kbits > 0:
+            kivi_quantize_kpage(kbits, tmp[g], pool[g, page])
         else:
-            for j in range(8):
-                v = np.int64(page[o + 8 * g + j])
-                for k in range(4):
-                    c = c0 + 8 * k + j
-                    out[c] = (np.float32((v >> (2 * k)) & 3) * rd_f16(page, 2 * c)
-                              + rd_f16(page, 2 * hd + 2 * c))
-
-
-@njit(cache=True, fastmath=_FM, inline='always')
-def kivi_k_prep(bits, q, page, P, qd):
-    """Per (query, page): qd[c] = q[c] * d[c]; returns qm = sum_c q[c] * m[c]."""
-    hd = q.shape[0]
-    qm = np.float32(0.0)
-    for c in range(hd):
-        qd[c] = q[c] * rd_f16(page, 2 * c)
-        qm += q[c] * rd_f16(page, 2 * hd + 2 * c)
-    return qm
-
-
-@njit(cache=True, fastmath=_FM, inline='always')
-def kivi_dot_k_prepped(bits, qd, qm, page, t, P):
-    hd = qd.shape[0]
-    o = 4 * hd + t * (hd * bits // 8)
-    s = np.float32(0.0)
-    for g in range(hd // 32):
-        c0 = 32 * g
-        if bits == 4:
-            for j in range(16):
-                v = np.int32(page[o + 16 * g + j])
-                s += qd[c0 + j] * np.float32(v & 0xF) + qd[c0 + 16 + j] * np.float32(v >> 4)
-        else:
-            for j in range(8):
-                v = np.int32(page[o + 8 * g + j])
-                s += (qd[c0 + j] * np.float32(v & 3) + qd[c0 + 8 + j] * np.float32((v >> 2) & 3)
-                      + qd[c0 + 16 + j] * np.float32((v >> 4) & 3)
-                      + qd[c0 + 24 + j] * np.float32((v >> 6) & 3))
-    return s + qm
-
-
-@njit(cache=True, fastmath=_FM, inline='always')
-def kivi_dot_k(bits, q, page, t, P):
-    """dot(q, key t of the page) without a temporary (decodes the channel scales on the fly)."""
-    hd = q.shape[0]
-    o = 4 * hd + t * (hd * bits // 8)
-    s = np.float32(0.0)
-    for g in range(hd // 32):
-        c0 = 32 * g
-        if bits == 4:
-            for j in range(16):
-                v = np.int64(page[o + 16 * g + j])
-                c = c0 + j
-                s += q[c] * (np.float32(v & 0xF) * rd_f16(page, 2 * c) + rd_f16(page, 2 * hd + 2 * c))
-                c = c0 + 16 + j
-                s += q[c] * (np.float32(v >> 4) * rd_f16(page, 2 * c) + rd_f16(page, 2 * hd + 2 * c))
-        else:
-            for j in range(8):
-                v = np.int64(page[o + 8 * g + j])
-                for k in range(4):
-                    c = c0 + 8 * k + j
-                    s += q[c] * (np.float32((v >> (2 * k)) & 3) * rd_f16(page, 2 * c)
-                                 + rd_f16(page, 2 * hd + 2 * c))
-    return s
+            rb = pool.shape[2] // P
+            for s in range(P):
+                quantize_row(code, tmp[g, s], pool[g, page, s * rb:(s + 1) * rb])

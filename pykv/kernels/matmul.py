@@ -47,9 +47,12 @@ import numba
 
 from gguf import GGMLQuantizationType as _GT
 
-from .simd import HAS_VNNI, TILE_ROWS, dot_tile_q4, dot_tile_q8
+from ..formats import KV_FORMATS
+from .blocks import deq_rows, rd_f16
+from .simd import HAS_VNNI, TILE_ROWS, dot_tile_q4, dot_tile_q8, h2f
 
-__all__ = ["Weight", "Act", "prepare_weight", "matmul", "matmul_fused", "get_rows", "set_exact", "SUPPORTED_TYPES"]
+__all__ = ["Weight", "Act", "prepare_weight", "matmul", "matmul_fused", "get_rows", "set_exact", "quantize_act_q8",
+           "SUPPORTED_TYPES"]
 
 # fast-math without nnan/ninf (keeps inf/nan semantics honest) and without denormal flushing
 _FM = {"contract", "reassoc", "nsz", "arcp"}
@@ -65,6 +68,11 @@ _BLOCK = {
     Q4_K: (256, 144), Q5_K: (256, 176), Q6_K: (256, 210),
 }
 SUPPORTED_TYPES = tuple(_BLOCK)
+_KV_CODE = np.full(max(_BLOCK) + 1, -1, np.int64)       # ggml type -> pykv.formats code (same bytes)
+for _f in KV_FORMATS.values():
+    if _f.ggml_type is not None and int(_f.ggml_type) in _BLOCK:
+        _KV_CODE[int(_f.ggml_type)] = _f.code
+del _f
 _FLOAT_TYPES = (F32, F16, BF16)
 
 _EXACT = False
@@ -81,27 +89,6 @@ def set_exact(flag: bool) -> None:
 # ----------------------------------------------------------------------------------------------------
 
 @njit(cache=True, nogil=True, inline="always")
-def _h2f(h):
-    """IEEE half (given as an integer 0..65535) -> float32, exact (subnormals, inf, nan)."""
-    h = np.uint32(h)
-    sign = (h & np.uint32(0x8000)) << np.uint32(16)
-    em = h & np.uint32(0x7FFF)
-    if em >= np.uint32(0x7C00):
-        bits = sign | np.uint32(0x7F800000) | ((h & np.uint32(0x3FF)) << np.uint32(13))
-    elif em >= np.uint32(0x0400):
-        bits = sign | ((em << np.uint32(13)) + np.uint32(0x38000000))
-    else:  # zero / subnormal: em * 2^-24, exact in float32
-        v = np.float32(np.float32(np.int32(em)) * np.float32(5.9604644775390625e-08))
-        bits = sign | v.view(np.uint32)
-    return np.uint32(bits).view(np.float32)
-
-
-@njit(cache=True, nogil=True, inline="always")
-def _rd16(w, o):
-    return np.int32(w[o]) | (np.int32(w[o + 1]) << 8)
-
-
-@njit(cache=True, nogil=True, inline="always")
 def _k_scale_min(w, o, s):
     """6-bit (scale, min) of sub-block s (0..7) from the 12 packed bytes at w[o:o+12] (Q4_K/Q5_K)."""
     if s < 4:
@@ -114,74 +101,22 @@ def _k_scale_min(w, o, s):
 
 
 # ----------------------------------------------------------------------------------------------------
-# row dequantization (bit-exact with gguf.quants.dequantize: same float32 operations, no FMA contraction)
+# row dequantization (bit-exact with gguf.quants.dequantize: same float32 operations, no FMA contraction;
+# the KV cache's formats through kernels.blocks.deq_rows, the K-quants here)
 # ----------------------------------------------------------------------------------------------------
 
 @njit(cache=True, nogil=True)
 def _deq_row(kind, w, y):
     n = y.shape[0]
-    if kind == F32:
-        for j in range(n):
-            y[j] = np.uint32(np.uint32(w[4 * j]) | (np.uint32(w[4 * j + 1]) << np.uint32(8))
-                             | (np.uint32(w[4 * j + 2]) << np.uint32(16))
-                             | (np.uint32(w[4 * j + 3]) << np.uint32(24))).view(np.float32)
-    elif kind == F16:
-        for j in range(n):
-            y[j] = _h2f(_rd16(w, 2 * j))
-    elif kind == BF16:
-        for j in range(n):
-            y[j] = np.uint32(np.uint32(_rd16(w, 2 * j)) << np.uint32(16)).view(np.float32)
-    elif kind == Q8_0:
-        for b in range(n // 32):
-            o = 34 * b
-            d = _h2f(_rd16(w, o))
-            for j in range(32):
-                y[32 * b + j] = d * np.float32(np.int8(w[o + 2 + j]))
-    elif kind == Q4_0:
-        for b in range(n // 32):
-            o = 18 * b
-            d = _h2f(_rd16(w, o))
-            for j in range(16):
-                v = np.int32(w[o + 2 + j])
-                y[32 * b + j] = d * np.float32((v & 15) - 8)
-                y[32 * b + j + 16] = d * np.float32((v >> 4) - 8)
-    elif kind == Q4_1:
-        for b in range(n // 32):
-            o = 20 * b
-            d = _h2f(_rd16(w, o))
-            m = _h2f(_rd16(w, o + 2))
-            for j in range(16):
-                v = np.int32(w[o + 4 + j])
-                y[32 * b + j] = d * np.float32(v & 15) + m
-                y[32 * b + j + 16] = d * np.float32(v >> 4) + m
-    elif kind == Q5_0 or kind == Q5_1:
-        bs = 22 if kind == Q5_0 else 24
-        for b in range(n // 32):
-            o = bs * b
-            d = _h2f(_rd16(w, o))
-            m = np.float32(0.0)
-            if kind == Q5_1:
-                m = _h2f(_rd16(w, o + 2))
-                o += 2
-            qh = (np.int64(w[o + 2]) | (np.int64(w[o + 3]) << 8) | (np.int64(w[o + 4]) << 16)
-                  | (np.int64(w[o + 5]) << 24))
-            for j in range(16):
-                v = np.int32(w[o + 6 + j])
-                lo = (v & 15) | np.int32(((qh >> j) & 1) << 4)
-                hi = (v >> 4) | np.int32(((qh >> (j + 16)) & 1) << 4)
-                if kind == Q5_0:
-                    y[32 * b + j] = d * np.float32(lo - 16)
-                    y[32 * b + j + 16] = d * np.float32(hi - 16)
-                else:
-                    y[32 * b + j] = d * np.float32(lo) + m
-                    y[32 * b + j + 16] = d * np.float32(hi) + m
+    if kind != Q4_K and kind != Q5_K and kind != Q6_K:    # the KV cache's formats: one decoder each
+        deq_rows(_KV_CODE[kind], w, 0, 0, 1, y.reshape(1, n))
     elif kind == Q4_K or kind == Q5_K:
         bs = 144 if kind == Q4_K else 176
         qo = 16 if kind == Q4_K else 48
         for b in range(n // 256):
             o = bs * b
-            d = _h2f(_rd16(w, o))
-            dmin = _h2f(_rd16(w, o + 2))
+            d = rd_f16(w, o)
+            dmin = rd_f16(w, o + 2)
             for s in range(8):
                 sc, mn = _k_scale_min(w, o + 4, s)
                 ds = d * np.float32(sc)
@@ -196,7 +131,7 @@ def _deq_row(kind, w, y):
     elif kind == Q6_K:
         for b in range(n // 256):
             o = 210 * b
-            d = _h2f(_rd16(w, o + 208))
+            d = rd_f16(w, o + 208)
             for h in range(2):
                 for k in range(4):
                     for l in range(32):
@@ -257,7 +192,7 @@ def _mm_f16(W, T, x, out):
         for t in range(T):
             acc = np.float32(0.0)
             for j in range(cols):
-                acc += _h2f(W[r, j]) * x[t, j]
+                acc += h2f(W[r, j]) * x[t, j]
             out[t, r] = acc
 
 
@@ -282,12 +217,13 @@ def _act_set(x, T, X, XQ, XD, XS, XF):
     for t in range(T):
         for j in range(cols):
             X[t, j] = x[t, j]
-    _act_q8(X, T, XQ, XD, XS, XF)
+    quantize_act_q8(X, T, XQ, XD, XS, XF)
 
 
 @njit(cache=True, nogil=True, fastmath=_FM)
-def _act_q8(x, T, XQ, XD, XS, XF):
-    """q8 blocks of x[:T]: XQ int8 codes, XD scales, XS int code sums, XF float sums."""
+def quantize_act_q8(x, T, XQ, XD, XS, XF):
+    """q8 blocks of x[:T] (the one activation quantizer; llama.cpp's q8_0 / q8_1 scheme): XQ int8 codes,
+    XD scales amax / 127, XS int code sums, XF float sums."""
     nb = XD.shape[1]
     if nb == 0:
         return
@@ -347,7 +283,7 @@ def _dot_q8_generic(kind, w, xq, xd, xs):
             isum = np.int32(0)
             for j in range(32):
                 isum += np.int32(np.int8(w[o + 2 + j])) * np.int32(xq[32 * b + j])
-            acc += _h2f(_rd16(w, o)) * xd[b] * np.float32(isum)
+            acc += rd_f16(w, o) * xd[b] * np.float32(isum)
     elif kind == Q4_0:
         for b in range(nb):
             o = 18 * b
@@ -355,7 +291,7 @@ def _dot_q8_generic(kind, w, xq, xd, xs):
             for j in range(16):
                 v = np.int32(w[o + 2 + j])
                 isum += (v & 15) * np.int32(xq[32 * b + j]) + (v >> 4) * np.int32(xq[32 * b + j + 16])
-            acc += _h2f(_rd16(w, o)) * xd[b] * np.float32(isum - 8 * xs[b])
+            acc += rd_f16(w, o) * xd[b] * np.float32(isum - 8 * xs[b])
     elif kind == Q4_1:
         for b in range(nb):
             o = 20 * b
@@ -363,7 +299,7 @@ def _dot_q8_generic(kind, w, xq, xd, xs):
             for j in range(16):
                 v = np.int32(w[o + 4 + j])
                 isum += (v & 15) * np.int32(xq[32 * b + j]) + (v >> 4) * np.int32(xq[32 * b + j + 16])
-            acc += xd[b] * (_h2f(_rd16(w, o)) * np.float32(isum) + _h2f(_rd16(w, o + 2)) * np.float32(xs[b]))
+            acc += xd[b] * (rd_f16(w, o) * np.float32(isum) + rd_f16(w, o + 2) * np.float32(xs[b]))
     elif kind == Q5_0 or kind == Q5_1:
         bs = 22 if kind == Q5_0 else 24
         ho = 2 if kind == Q5_0 else 4
@@ -377,18 +313,18 @@ def _dot_q8_generic(kind, w, xq, xd, xs):
                 lo = (v & 15) | np.int32(((qh >> j) & 1) << 4)
                 hi = (v >> 4) | np.int32(((qh >> (j + 16)) & 1) << 4)
                 isum += lo * np.int32(xq[32 * b + j]) + hi * np.int32(xq[32 * b + j + 16])
-            d = _h2f(_rd16(w, o))
+            d = rd_f16(w, o)
             if kind == Q5_0:
                 acc += d * xd[b] * np.float32(isum - 16 * xs[b])
             else:
-                acc += xd[b] * (d * np.float32(isum) + _h2f(_rd16(w, o + 2)) * np.float32(xs[b]))
+                acc += xd[b] * (d * np.float32(isum) + rd_f16(w, o + 2) * np.float32(xs[b]))
     elif kind == Q4_K or kind == Q5_K:
         bs = 144 if kind == Q4_K else 176
         qo = 16 if kind == Q4_K else 48
         for sb in range(nb // 8):
             o = bs * sb
-            d = _h2f(_rd16(w, o))
-            dmin = _h2f(_rd16(w, o + 2))
+            d = rd_f16(w, o)
+            dmin = rd_f16(w, o + 2)
             sacc = np.float32(0.0)
             macc = np.float32(0.0)
             for s in range(8):
@@ -409,7 +345,7 @@ def _dot_q8_generic(kind, w, xq, xd, xs):
     elif kind == Q6_K:
         for sb in range(nb // 8):
             o = 210 * sb
-            d = _h2f(_rd16(w, o + 208))
+            d = rd_f16(w, o + 208)
             sacc = np.float32(0.0)
             for h in range(2):
                 for k in range(4):
@@ -459,22 +395,6 @@ _R_Q8 = 128
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _h2f_fin(h):
-    """half (uint16) -> float32 for finite values (normal, subnormal or zero), branch-free so the tile
-    loops vectorize. Normals rebias the exponent in integer arithmetic; an earlier version multiplied
-    by 2^112 instead, which fastmath's reassociation folded into the dot sums (inf - inf = NaN for
-    large activations). prepare_weight only takes this path when every scale is finite."""
-    u = np.uint32(h)
-    e = (u >> np.uint32(10)) & np.uint32(0x1F)
-    m = u & np.uint32(0x3FF)
-    sign = (u & np.uint32(0x8000)) << np.uint32(16)
-    normal = np.uint32(sign | ((e + np.uint32(112)) << np.uint32(23)) | (m << np.uint32(13))).view(np.float32)
-    sub = np.float32(m) * np.float32(5.960464477539063e-08)
-    sub = -sub if sign else sub
-    return normal if e != np.uint32(0) else sub
-
-
-@njit(cache=True, nogil=True, inline="always")
 def _tile_q4_1tok(qt, dm, tile, nb, R, x, xf, o):
     for i in range(R):
         o[i] = 0.0
@@ -493,7 +413,7 @@ def _tile_q4_1tok(qt, dm, tile, nb, R, x, xf, o):
                 s1 += np.float32(v >> 4) * xb[j + 16]
                 s2 += np.float32(u & 15) * xb[j + 1]
                 s3 += np.float32(u >> 4) * xb[j + 17]
-            o[i] += _h2f_fin(dm[tile, b, 0, i]) * ((s0 + s1) + (s2 + s3)) + _h2f_fin(dm[tile, b, 1, i]) * xsb
+            o[i] += h2f(dm[tile, b, 0, i]) * ((s0 + s1) + (s2 + s3)) + h2f(dm[tile, b, 1, i]) * xsb
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=_FM)
@@ -525,7 +445,7 @@ def _tile_q8_1tok(qt, dt, tile, nb, R, x, o):
             for j in range(0, 32, 2):
                 s0 += np.float32(qt[tile, b, j, i]) * xb[j]
                 s1 += np.float32(qt[tile, b, j + 1, i]) * xb[j + 1]
-            o[i] += _h2f_fin(dt[tile, b, i]) * (s0 + s1)
+            o[i] += h2f(dt[tile, b, i]) * (s0 + s1)
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=_FM)
@@ -584,7 +504,7 @@ _VNNI_TB = 16      # prefill: tokens per work item (a tile's weights stay in L1/
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=_FM)
 def _mm_vnni(q4, qt, sc, rows, T, X, XQ, XD, XS, XF, tail, out):
-    _act_q8(X, T, XQ, XD, XS, XF)
+    quantize_act_q8(X, T, XQ, XD, XS, XF)
     nt, nb, R = qt.shape[0], qt.shape[1], qt.shape[3]
     ntb = (T + _VNNI_TB - 1) // _VNNI_TB
     for it in prange(nt * ntb):
@@ -604,7 +524,7 @@ def _mm_vnni(q4, qt, sc, rows, T, X, XQ, XD, XS, XF, tail, out):
 @njit(cache=True, nogil=True, parallel=True, fastmath=_FM)
 def _mm_vnni_3(qa, sa, oa, qb, sb, ob, qc, sc, oc, T, X, XQ, XD, XS, XF):
     """Three full-tile Q4 VNNI weights sharing X (Q/K/V, or gate/up with qc empty): one region."""
-    _act_q8(X, T, XQ, XD, XS, XF)
+    quantize_act_q8(X, T, XQ, XD, XS, XF)
     na, nb_ = qa.shape[0], qb.shape[0]
     nblk, R = qa.shape[1], qa.shape[3]
     ntb = (T + _VNNI_TB - 1) // _VNNI_TB
@@ -634,8 +554,8 @@ def _deq_tiles_q4_T(qt, dm, t0, t1, WT):
                 lo = WT[32 * b + j]
                 hi = WT[32 * b + j + 16]
                 for i in range(R):
-                    d = _h2f_fin(dm[tile, b, 0, i])
-                    m = _h2f_fin(dm[tile, b, 1, i])
+                    d = h2f(dm[tile, b, 0, i])
+                    m = h2f(dm[tile, b, 1, i])
                     v = np.int32(qt[tile, b, j, i])
                     lo[r0 + i] = d * np.float32(v & 15) + m
                     hi[r0 + i] = d * np.float32(v >> 4) + m
@@ -650,7 +570,7 @@ def _deq_tiles_q8_T(qt, dt, t0, t1, WT):
             for j in range(32):
                 row = WT[32 * b + j]
                 for i in range(R):
-                    row[r0 + i] = _h2f_fin(dt[tile, b, i]) * np.float32(qt[tile, b, j, i])
+                    row[r0 + i] = h2f(dt[tile, b, i]) * np.float32(qt[tile, b, j, i])
 
 
 def _f16_bits(b2):
@@ -775,7 +695,7 @@ def prepare_weight(ggml_type: int, data: np.ndarray, rows: int, cols: int, q8_ac
         else:
             R, kind = (_R_Q8, _KIND_TILE_Q8) if gt == Q8_0 else (_R_Q4, _KIND_TILE_Q4)
         qt, sc = _repack_tiles(gt, raw, rows, cols, R, vnni)
-        # the tile kernels decode f16 scales without inf/nan handling: keep the generic kernel otherwise
+        # the tile kernels run only with finite f16 scales (fast-math sums): inf / NaN stay on the generic kernel
         if np.all(sc & np.uint16(0x7C00) != np.uint16(0x7C00)):
             w.qt, w.sc, w.kind = qt, sc, kind
             w.nbytes = int(qt.nbytes + sc.nbytes)

@@ -41,9 +41,52 @@ def _load(builder, p, ty):
     return builder.load(builder.bitcast(p, ty.as_pointer()), align=1)
 
 
+def _fpext_half(builder, h):
+    """i16 (or <n x i16>) IEEE half bits -> float (<n x float>): LLVM `fpext half`, exact for every value
+    (inf / NaN / subnormals); vcvtph2ps on x86 with F16C.  THE half -> float conversion of pykv."""
+    if isinstance(h.type, ir.VectorType):
+        n = h.type.count
+        return builder.fpext(builder.bitcast(h, _vec(F16, n)), _vec(F32, n))
+    return builder.fpext(builder.bitcast(h, F16), F32)
+
+
 def _half(builder, p):
     """f16 at byte pointer p -> float."""
-    return builder.fpext(builder.bitcast(_load(builder, p, I16), F16), F32)
+    return _fpext_half(builder, _load(builder, p, I16))
+
+
+@intrinsic
+def h2f(typingctx, x):
+    """IEEE half bits (any integer type, low 16 bits) -> float32, exact (inf / NaN / subnormals
+    included); vectorizes in loops (vcvtph2ps)."""
+    if isinstance(x, types.Integer):
+        def codegen(context, builder, sig, args):
+            v = args[0]
+            w = v.type.width
+            if w > 16:
+                v = builder.trunc(v, I16)
+            elif w < 16:
+                v = builder.zext(v, I16)
+            return _fpext_half(builder, v)
+        return types.float32(x), codegen
+    return None
+
+
+def _bitcast(name, src, dst, ir_dst):
+    """An intrinsic reinterpreting a Numba `src` scalar (any integer of its width) as `dst`."""
+    def typer(typingctx, x):
+        if x == src or (isinstance(src, types.Integer) and isinstance(x, types.Integer)
+                        and x.bitwidth == src.bitwidth):
+            def codegen(context, builder, sig, args):
+                return builder.bitcast(args[0], ir_dst)
+            return dst(x), codegen
+        return None
+    typer.__name__ = name
+    return intrinsic(typer)
+
+
+f32_bits = _bitcast("f32_bits", types.float32, types.uint32, I32)     # float32 -> its uint32 bits
+bits_f32 = _bitcast("bits_f32", types.uint32, types.float32, F32)     # any 32-bit integer -> float32
 
 
 def _splat(builder, x, n):
@@ -157,8 +200,7 @@ def _c(v):
 
 def _halves16(builder, base, off):
     """16 consecutive f16 (uint16 element offset off of base) -> <16 x float>."""
-    h = _ld_at(builder, base, off, _vec(I16, 16), 2)
-    return builder.fpext(builder.bitcast(h, _vec(F16, 16)), _vec(F32, 16))
+    return _fpext_half(builder, _ld_at(builder, base, off, _vec(I16, 16), 2))
 
 
 def _tile_dot(q4):

@@ -1,0 +1,243 @@
+"""Decoders of the block formats: ONE definition per format, used by every kernel that dequantizes.
+
+Callers: attention._item (tiles of K / V rows, the hot path, through deq_rows), kvquant.dequantize_row
+(one KV row: deq_rows with n = 1) and matmul._deq_row (weight rows: get_rows and the exact mode).
+
+Each decoder reads the encoded values at byte offset `so` of the uint8 array `src` and writes float32
+values to the C-contiguous float32 array `out` from flat element offset `oo`:
+
+    one block of 32 values   (src, so, out, oo):
+        deq_q8_0, deq_q4_0, deq_q4_1 (= KIVI int4 value groups): kernels.simd's whole-block vector decoders
+        deq_q5 (+ asym: q5_1), deq_iq4_nl;  deq_int2 (KIVI int2 value groups; + qb, see below)
+    n values of a row        (src, so, n, out, oo):
+        deq_f32, deq_f16, deq_bf16;  deq_fp8 (+ e4m3: the row's f32 scale at so, the codes after it)
+    deq_rows(code, src, o0, rb, n, out)         n KV rows of any format (row r at byte o0 + r * rb) -> out[n, HD]
+    deq_kivi_k_rows(bits, page, s0, n, out, dk, mk)   tokens s0 .. s0+n of a KIVI key page -> out[n, HD]
+
+All are ``inline='always'`` without fast-math flags of their own: inlined code is lowered with the
+CALLER's flags, so kvquant and matmul (no fast-math) get values bit-exact with gguf.quants.dequantize
+and attention gets its fast-math build of the same code.  Indices are np.uint64: Numba then emits no
+negative-index wraparound selects (which turn contiguous loads into gathers).  f16 is decoded by
+kernels.simd.h2f (hardware half -> float, vectorizes).  Like every kernel here: no bounds checks.
+"""
+import numpy as np
+from numba import njit
+
+from ..formats import (CODE_BF16, CODE_F16, CODE_F32, CODE_FP8_E4M3, CODE_FP8_E5M2, CODE_INT2,
+                       CODE_INT4, CODE_IQ4_NL, CODE_Q4_0, CODE_Q4_1, CODE_Q5_0, CODE_Q5_1, CODE_Q8_0)
+from .simd import bits_f32, deq_q4_0, deq_q4_1, deq_q8_0, h2f
+
+U = np.uint64
+KVALUES_IQ4NL = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113],
+                         dtype=np.int8)
+IQ4NL_F = KVALUES_IQ4NL.astype(np.float32)
+
+__all__ = ["deq_q8_0", "deq_q4_0", "deq_q4_1", "deq_q5", "deq_iq4_nl", "deq_int2", "deq_f32",
+           "deq_f16", "deq_bf16", "deq_fp8", "deq_rows", "deq_kivi_k_rows", "rd_f16",
+           "rd_f32", "rd_u32", "KVALUES_IQ4NL", "IQ4NL_F"]
+
+
+# ----------------------------------------------------------------------------------------------
+# scalars at a byte offset
+# ----------------------------------------------------------------------------------------------
+
+@njit(cache=True, inline="always")
+def rd_f16(src, o):
+    p = U(o)
+    return h2f(np.uint16(src[p]) | (np.uint16(src[p + U(1)]) << np.uint16(8)))
+
+
+@njit(cache=True, inline="always")
+def rd_u32(src, o):
+    p = U(o)
+    return np.uint32(np.uint32(src[p]) | (np.uint32(src[p + U(1)]) << np.uint32(8))
+                     | (np.uint32(src[p + U(2)]) << np.uint32(16)) | (np.uint32(src[p + U(3)]) << np.uint32(24)))
+
+
+@njit(cache=True, inline="always")
+def rd_f32(src, o):
+    return bits_f32(rd_u32(src, o))
+
+
+@njit(cache=True, inline="always")
+def opaque_bs(n):
+    """32 for n >= 32, in a form LLVM cannot constant-fold: with a literal 32 some block loops get fully
+    unrolled and vectorized ACROSS blocks with gathers (3x slower) instead of along the block."""
+    nb = n // 32
+    return n // nb if nb > 0 else 32
+
+
+# ----------------------------------------------------------------------------------------------
+# block formats: one block of 32 values
+# ----------------------------------------------------------------------------------------------
+
+@njit(cache=True, inline="always")
+def deq_q5(src, so, out, oo, asym):
+    """q5_0 [f16 d][u32 qh][16 nibble bytes]: d * (q - 16);  q5_1 (asym) [f16 d][f16 m][u32 qh][16 bytes]:
+    d * q + m.  Bit 4 of element j is bit j of qh."""
+    o = U(so)
+    d = rd_f16(src, o)
+    m = rd_f16(src, o + U(2)) if asym else np.float32(0.0)
+    h = o + U(4) if asym else o + U(2)
+    qh = np.int32(rd_u32(src, h))
+    for j in range(16):                       # a literal 16 measured faster than the opaque length here
+        v = np.int32(src[h + U(4 + j)])
+        q0 = (v & 0xF) | (((qh >> j) & 1) << 4)
+        q1 = (v >> 4) | (((qh >> (j + 16)) & 1) << 4)
+        if asym:
+            out[U(oo + j)] = d * np.float32(q0) + m
+            out[U(oo + 16 + j)] = d * np.float32(q1) + m
+        else:                                 # no "+ 0": -0.0 stays -0.0, as in ggml
+            out[U(oo + j)] = d * np.float32(q0 - 16)
+            out[U(oo + 16 + j)] = d * np.float32(q1 - 16)
+
+
+@njit(cache=True, inline="always")
+def deq_iq4_nl(src, so, out, oo):
+    """[f16 d][16 nibble bytes]: d * KVALUES_IQ4NL[q] (table lookups: gathers whatever the length)."""
+    o = U(so)
+    d = rd_f16(src, o)
+    for j in range(16):
+        v = src[o + U(2 + j)]
+        out[U(oo + j)] = d * IQ4NL_F[v & 0xF]
+        out[U(oo + 16 + j)] = d * IQ4NL_F[v >> 4]
+
+
+@njit(cache=True, inline="always")
+def deq_int2(src, so, out, oo, qb):
+    """KIVI int2 value group [f16 d][f16 m][8 bytes]: byte j holds elements j, j+8, j+16, j+24 (bit
+    shifts 0, 2, 4, 6); value = d * code + m.  qb = 8, passed in as opaque_bs(HD) // 4 (see opaque_bs)."""
+    o = U(so)
+    d = rd_f16(src, o)
+    m = rd_f16(src, o + U(2))
+    for k in range(4):
+        for j in range(qb):
+            v = np.int32(src[o + U(4 + j)])
+            out[U(oo + qb * k + j)] = d * np.float32((v >> (2 * k)) & 3) + m
+
+
+# ----------------------------------------------------------------------------------------------
+# row formats: n values
+# ----------------------------------------------------------------------------------------------
+
+@njit(cache=True, inline="always")
+def deq_f32(src, so, n, out, oo):
+    for i in range(n):
+        out[U(oo + i)] = rd_f32(src, U(so + 4 * i))
+
+
+@njit(cache=True, inline="always")
+def deq_f16(src, so, n, out, oo):
+    for i in range(n):
+        out[U(oo + i)] = rd_f16(src, U(so + 2 * i))
+
+
+@njit(cache=True, inline="always")
+def deq_bf16(src, so, n, out, oo):
+    o = U(so)
+    for i in range(n):
+        out[U(oo + i)] = bits_f32(np.uint32((np.uint32(src[o + U(2 * i)]) << np.uint32(16))
+                                            | (np.uint32(src[o + U(2 * i + 1)]) << np.uint32(24))))
+
+
+@njit(cache=True, inline="always")
+def deq_fp8(src, so, n, out, oo, e4m3):
+    """[f32 s][n codes] -> code value * s.  e5m2: the byte is the top byte of an f16 (inf / NaN
+    included).  e4m3: S.EEEE.MMM -> f16 S.0EEEE.MMM0000000 = value * 2^-8 (subnormals too), times
+    256 s (exact: a power of two); 0x7F / 0xFF are NaN."""
+    o = U(so)
+    s = rd_f32(src, o)
+    if e4m3:
+        s *= np.float32(256.0)
+        for i in range(n):
+            b = np.uint16(src[o + U(4 + i)])
+            v = h2f(((b & np.uint16(0x80)) << np.uint16(8)) | ((b & np.uint16(0x7F)) << np.uint16(7)))
+            out[U(oo + i)] = v * s if (b & np.uint16(0x7F)) != np.uint16(0x7F) else np.float32(np.nan)
+    else:
+        for i in range(n):
+            out[U(oo + i)] = h2f(np.uint16(src[o + U(4 + i)]) << np.uint16(8)) * s
+
+
+# ----------------------------------------------------------------------------------------------
+# KV rows: one format dispatch for n rows
+# ----------------------------------------------------------------------------------------------
+
+@njit(cache=True, inline="always")
+def deq_rows(code, src, o0, rb, n, out):
+    """n rows of KV format `code` (row r at byte o0 + r * rb of src) -> out[0:n, 0:HD] f32."""
+    HD = out.shape[1]
+    nb = HD // 32
+    qb = opaque_bs(HD) // 4
+    if code == CODE_F16:
+        for r in range(n):
+            deq_f16(src, o0 + r * rb, HD, out[r], 0)
+    elif code == CODE_Q8_0:          # whole-block vector decoders (simd.py): LLVM left these scalar
+        for r in range(n):
+            for b in range(nb):
+                deq_q8_0(src, o0 + r * rb + 34 * b, out, r * HD + 32 * b)
+    elif code == CODE_Q4_0:
+        for r in range(n):
+            for b in range(nb):
+                deq_q4_0(src, o0 + r * rb + 18 * b, out, r * HD + 32 * b)
+    elif code == CODE_Q4_1 or code == CODE_INT4:   # same bytes: [f16 d][f16 m][16 nibble bytes]
+        for r in range(n):
+            for b in range(nb):
+                deq_q4_1(src, o0 + r * rb + 20 * b, out, r * HD + 32 * b)
+    elif code == CODE_IQ4_NL:
+        for r in range(n):
+            row = out[r]
+            for b in range(nb):
+                deq_iq4_nl(src, o0 + r * rb + 18 * b, row, 32 * b)
+    elif code == CODE_Q5_0 or code == CODE_Q5_1:
+        asym = code == CODE_Q5_1
+        bb = 24 if asym else 22
+        for r in range(n):
+            row = out[r]
+            for b in range(nb):
+                deq_q5(src, o0 + r * rb + bb * b, row, 32 * b, asym)
+    elif code == CODE_INT2:
+        for r in range(n):
+            row = out[r]
+            for b in range(nb):
+                deq_int2(src, o0 + r * rb + 12 * b, row, 32 * b, qb)
+    elif code == CODE_FP8_E4M3 or code == CODE_FP8_E5M2:
+        e4m3 = code == CODE_FP8_E4M3
+        for r in range(n):
+            deq_fp8(src, o0 + r * rb, HD, out[r], 0, e4m3)
+    elif code == CODE_F32:
+        for r in range(n):
+            deq_f32(src, o0 + r * rb, HD, out[r], 0)
+    elif code == CODE_BF16:
+        for r in range(n):
+            deq_bf16(src, o0 + r * rb, HD, out[r], 0)
+    else:
+        raise ValueError("unknown KV format code")
+
+
+@njit(cache=True, inline="always")
+def deq_kivi_k_rows(bits, page, s0, n, out, dk, mk):
+    """Tokens s0 .. s0+n of a KIVI key page (kvquant's layout) -> out[0:n]: code * d[c] + m[c]
+    (per-channel d, m; dk, mk f32[HD] scratch)."""
+    HD = out.shape[1]
+    for c in range(HD):
+        dk[c] = rd_f16(page, U(2 * c))
+        mk[c] = rd_f16(page, U(2 * HD + 2 * c))
+    rb = HD * bits // 8
+    for r in range(n):
+        o = U(4 * HD + (s0 + r) * rb)
+        if bits == 4:
+            for b in range(HD // 32):
+                for j in range(16):
+                    v = np.int32(page[o + U(16 * b + j)])
+                    c = 32 * b + j
+                    out[r, c] = np.float32(v & 0xF) * dk[c] + mk[c]
+                    out[r, c + 16] = np.float32(v >> 4) * dk[c + 16] + mk[c + 16]
+        else:
+            for b in range(HD // 32):
+                for j in range(8):
+                    v = np.int32(page[o + U(8 * b + j)])
+                    c = 32 * b + j
+                    out[r, c] = np.float32(v & 3) * dk[c] + mk[c]
+                    out[r, c + 8] = np.float32((v >> 2) & 3) * dk[c + 8] + mk[c + 8]
+                    out[r, c + 16] = np.float32((v >> 4) & 3) * dk[c + 16] + mk[c + 16]
+                    out[r, c + 24] = np.float32((v >> 6) & 3) * dk[c + 24] + mk[c + 24]
