@@ -1069,7 +1069,7 @@ def _run(fn: Callable[[], Any]) -> int:
         res = fn()
     except ConvertError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 1
+        return 2        # the CLI's code for a user error (pykv.cli.EXIT_USAGE)
     if isinstance(res, str):
         print(res)
     return 0

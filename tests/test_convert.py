@@ -399,7 +399,7 @@ def test_cli(tiny_bpe, tmp_path):
     assert p.returncode == 0, p.stderr
     assert p.stderr.count("\r") == 0  # no progress bar when stderr is not a TTY
     p = run("convert", str(d), str(out))
-    assert p.returncode == 1 and "output exists" in p.stderr and len(p.stderr.strip().splitlines()) == 1
+    assert p.returncode == 2 and "output exists" in p.stderr and len(p.stderr.strip().splitlines()) == 1
     p = run("quantize", str(out), str(tmp_path / "q.gguf"), "Q4_1", "--output-tensor-type", "q8_0")
     assert p.returncode == 0, p.stderr
     p = run("info", str(tmp_path / "q.gguf"))
