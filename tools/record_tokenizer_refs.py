@@ -75,8 +75,11 @@ def main():
     doc = {"source": f"llama.cpp llama-tokenize (vendor copy of llama-cpp-python 0.3.36) on {Path(a.model).name}, "
                      "no BOS, special tokens not parsed; tools/record_tokenizer_refs.py",
            "cases": cases}
+    body = ",\n".join("  " + json.dumps(c, ensure_ascii=True) for c in cases)   # one case a line
+    text = f'{{"source": {json.dumps(doc["source"])},\n "cases": [\n{body}\n]}}\n'
+    assert json.loads(text) == doc
     tmp = OUT.with_suffix(".tmp")
-    tmp.write_text(json.dumps(doc, ensure_ascii=True, indent=1) + "\n", encoding="utf-8")
+    tmp.write_text(text, encoding="utf-8")
     os.replace(tmp, OUT)
     print(f"{len(cases)} cases -> {OUT}")
 
