@@ -59,7 +59,6 @@ def test_tiny_model_partial_rope_matches_reference(tmp_path):
     mm.set_exact(True)
     try:
         m = pykv.load(str(path), n_ctx=64, n_batch=4, kv_type_k="f32", kv_type_v="f32")
-        assert m.config.rope_dims == 32
         got = m.forward(ids)
         seq = m.new_sequence()
         steps = np.concatenate([m.eval(seq, [i]) for i in ids])
