@@ -12,8 +12,8 @@ KV_HELP = "KV cache type: f32 f16 bf16 q8_0 q4_0 q4_1 q5_0 q5_1 iq4_nl fp8_e4m3 
 
 def _model_args(p: argparse.ArgumentParser, with_prompt: bool = False) -> None:
     if with_prompt:
-        p.add_argument("args", nargs="+", metavar="[MODEL] PROMPT",
-                       help="optional GGUF path or registry name, then the prompt")
+        p.add_argument("args", nargs="*", metavar="[MODEL] PROMPT",
+                       help="optional GGUF path or registry name, then the prompt (none with -f)")
     p.add_argument("-c", "--ctx-size", type=int, default=2048, help="context size in tokens (default 2048)")
     p.add_argument("-ctk", "--cache-type-k", default="f16", help=KV_HELP + " (comma list = per layer)")
     p.add_argument("-ctv", "--cache-type-v", default="f16", help=KV_HELP + " (comma list = per layer)")
@@ -53,12 +53,20 @@ def load_from_args(args, model_path, **kw):
 
 
 def cmd_run(args) -> int:
-    if len(args.args) > 2:
-        raise PykvError("usage: pykv run [MODEL] PROMPT (quote the prompt)")
-    model_path, prompt = (args.args if len(args.args) == 2 else (None, args.args[0]))
-    if args.file:
-        with open(args.file, encoding="utf-8") as f:
-            prompt = f.read()
+    pos = args.args
+    if args.file:            # the prompt comes from the file: a positional argument is the model
+        if len(pos) > 1:
+            raise PykvError("usage: pykv run [MODEL] -f FILE (no prompt argument with -f)")
+        model_path = pos[0] if pos else None
+        try:
+            with open(args.file, encoding="utf-8") as f:
+                prompt = f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise PykvError(f"cannot read prompt file {args.file}: {getattr(e, 'strerror', None) or e}") from None
+    else:
+        if not 1 <= len(pos) <= 2:
+            raise PykvError("usage: pykv run [MODEL] PROMPT (quote the prompt)")
+        model_path, prompt = pos if len(pos) == 2 else (None, pos[0])
     model = load_from_args(args, model_path)
     out = sys.stdout
     if args.echo:
@@ -120,6 +128,10 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+EXIT_USAGE = 2      # a user error (bad argument, file, model or budget): argparse's code too
+EXIT_INTERRUPT = 130
+
+
 def main(argv=None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
@@ -127,10 +139,10 @@ def main(argv=None) -> int:
         return int(args.func(args) or 0)
     except PykvError as e:
         print(f"pykv: error: {e}", file=sys.stderr)
-        return 1
+        return EXIT_USAGE
     except KeyboardInterrupt:
         print("pykv: interrupted", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPT
     except BrokenPipeError:   # stdout closed early (e.g. `| head`): exit quietly, as llama.cpp does
         try:
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
@@ -141,5 +153,5 @@ def main(argv=None) -> int:
         name = type(e).__name__
         if name in ("ConvertError", "ModelFetchError") or isinstance(e, (OSError, ValueError)):
             print(f"pykv: error: {e}", file=sys.stderr)
-            return 1
+            return EXIT_USAGE
         raise

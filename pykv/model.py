@@ -136,20 +136,25 @@ class Model:
         self.q8_act = bool(q8_act)
         self.weights = Weights.load(self.gguf, cfg, self.q8_act)
         self.tokenizer = Tokenizer.from_metadata(self.gguf.metadata)
-        self.cache = KVCache(cfg, self.n_ctx, kv_type_k, kv_type_v, page_tokens=page_tokens, kv_budget=kv_budget,
-                             k_smooth=kv_smooth)
+        self._kv_opts = {"page_tokens": page_tokens, "kv_budget": kv_budget, "k_smooth": kv_smooth}
         self.n_batch = int(n_batch)
         self.max_chunks = 8 * numba.config.NUMBA_NUM_THREADS + 2
         self.state = RunState(cfg, self.n_batch, self.max_chunks)
         self.cos, self.sin = rope_tables(self.n_ctx, cfg.rope_dims, cfg.rope_base, cfg.rope_freq_scale,
                                          self.weights.rope_freqs, cfg.yarn_ext_factor, cfg.yarn_attn_mul,
                                          cfg.yarn_beta_fast, cfg.yarn_beta_slow, cfg.rope_orig_ctx)
-        self.rotate = self._rotate_default(kv_rotate)
+        self.set_kv_types(kv_type_k, kv_type_v, kv_rotate)
         self.q_mul = np.float32(1.0 / np.sqrt(cfg.head_dim))
         self.rot_sign = np.random.default_rng(ROTATE_SEED).choice(
             np.array([-1.0, 1.0], np.float32), cfg.head_dim).astype(np.float32)
-        self.seq: Sequence | None = None
         self.last_stats: dict = {}
+
+    def set_kv_types(self, kv_type_k="f16", kv_type_v="f16", kv_rotate=None) -> None:
+        """A fresh KV cache of these types (same context, pages, budget and key smoothing) and its
+        rotation default; the weights stay loaded. The old cache's sequence is dropped."""
+        self.cache = KVCache(self.config, self.n_ctx, kv_type_k, kv_type_v, **self._kv_opts)
+        self.rotate = self._rotate_default(kv_rotate)
+        self.seq: Sequence | None = None
 
     def _rotate_default(self, flag) -> bool:
         hd = self.config.head_dim

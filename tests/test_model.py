@@ -61,6 +61,13 @@ def _ppl_top1(logits, ids):
     return perplexity(logits, ids), logits[:-1].argmax(1)
 
 
+def _int_dot_weights(model) -> bool:
+    """True when some matmul weight multiplies 8-bit activations in the default (non-exact) mode."""
+    w = model.weights
+    return any(x.int_dot for x in [w.output] + [getattr(l, f) for l in w.layers for f in
+                                                 ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")])
+
+
 @pytest.mark.parametrize("exact", [False, True], ids=["default-kernels", "float-activations"])
 def test_smollm2_perplexity_and_top1_vs_hf(smollm2, ref, exact):
     ids = ref["text_ids"][:1024]
@@ -74,9 +81,11 @@ def test_smollm2_perplexity_and_top1_vs_hf(smollm2, ref, exact):
     agree = float((top1 == ref["hf_text_top1"][:len(top1)]).mean())
     print(f"exact={exact} ppl {ppl:.4f} (HF {hf_ppl:.4f}) top1 agreement {agree:.4f}")
     assert abs(ppl / hf_ppl - 1) < 0.005
-    # default kernels: llama.cpp's q8 activations where the CPU has VNNI (96.6 % here; llama.cpp 96.5 %),
-    # float activations elsewhere (99.9 %)
-    assert agree >= (0.995 if exact else 0.955)
+    # the floor follows the kernels this host runs: llama.cpp's q8 activations where some weight takes
+    # an integer-dot kernel (VNNI tiles, or the generic kernel of a non-tile type: 96.6 % measured;
+    # llama.cpp 96.5 %), float activations otherwise (99.9 %, as the exact kernels)
+    q8 = not exact and _int_dot_weights(smollm2)
+    assert agree >= (0.955 if q8 else 0.995), (q8, agree)
 
 
 def test_smollm2_prompt_logits_close_to_hf(smollm2, ref):

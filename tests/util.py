@@ -2,17 +2,19 @@
 import subprocess
 import sys
 
+EXIT_USAGE = 2          # pykv.cli.EXIT_USAGE (and argparse's): every user error
 
-def run_module(module, *args, timeout=600):
+
+def run_module(module, *args, timeout=600, env=None):
     """python -m MODULE ARGS, no stdin, output captured."""
     return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True,
-                          timeout=timeout, stdin=subprocess.DEVNULL)
+                          timeout=timeout, stdin=subprocess.DEVNULL, env=env)
 
 
-def assert_clean_error(r, fragment):
-    """Non-zero exit, one line on stderr containing `fragment`, no traceback."""
-    assert r.returncode != 0
+def assert_clean_error(r, fragment, code=EXIT_USAGE):
+    """Exit code `code`, one line on stderr containing `fragment`, no traceback."""
     assert "Traceback" not in r.stderr, r.stderr
+    assert r.returncode == code, (r.returncode, r.stderr)
     lines = [l for l in r.stderr.strip().splitlines() if l.strip()]
     assert len(lines) == 1, r.stderr
     assert fragment.lower() in lines[0].lower(), lines[0]
