@@ -29,6 +29,8 @@ from gguf import GGMLQuantizationType as _GT
 from .kvquant import f16_bits_to_f32, f32_bits, f32_to_f16_bits, wr_u16
 
 QK_K = 256
+Q4_0, Q4_1, Q5_0, Q5_1 = int(_GT.Q4_0), int(_GT.Q4_1), int(_GT.Q5_0), int(_GT.Q5_1)
+LEGACY_BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q5_0: 22, Q5_1: 24}   # the imatrix variants below
 Q2_K, Q3_K, Q4_K, Q5_K, Q6_K = int(_GT.Q2_K), int(_GT.Q3_K), int(_GT.Q4_K), int(_GT.Q5_K), int(_GT.Q6_K)
 BLOCK_BYTES = {Q2_K: 84, Q3_K: 110, Q4_K: 144, Q5_K: 176, Q6_K: 210}
 K_TYPES = tuple(BLOCK_BYTES)
@@ -686,3 +688,57 @@ def quantize_rows_k(kind, X, qw, dst):
     """X float32[rows, cols] -> dst uint8[rows, cols/256 * block bytes]; qw float32[cols] or empty."""
     for r in prange(X.shape[0]):
         quantize_row_k(kind, X[r], qw, dst[r])
+
+
+# ----------------------------------------------------------------------------------------------
+# legacy 32-blocks with an importance matrix (quantize_row_q4_0_impl ... q5_1_impl); without one
+# llama.cpp uses the _ref quantizers, which pykv.kernels.kvquant already matches
+# ----------------------------------------------------------------------------------------------
+
+@njit(cache=True)
+def quantize_row_legacy_imat(kind, x, qw, dst):
+    """Q4_0 / Q4_1 / Q5_0 / Q5_1 row with importance weights qw float32[len(x)]."""
+    n = x.shape[0]
+    sum_x2 = _F0
+    for j in range(n):
+        sum_x2 += x[j] * x[j]
+    sigma2 = sum_x2 / np.float32(n)
+    w = np.zeros(32, np.float32)
+    L = np.zeros(32, np.int8)
+    Lu = np.zeros(32, np.uint8)
+    Laux = np.zeros(32, np.uint8)
+    bs = 18 if kind == Q4_0 else 20 if kind == Q4_1 else 22 if kind == Q5_0 else 24
+    asym = kind == Q4_1 or kind == Q5_1
+    for ib in range(n // 32):
+        xb = x[32 * ib: 32 * ib + 32]
+        o = bs * ib
+        for j in range(32):
+            w[j] = qw[32 * ib + j] * _sqrtf(sigma2 + xb[j] * xb[j])
+        if asym:
+            d, the_min = make_qkx(32, 15 if kind == Q4_1 else 31, xb, w, Lu, Laux,
+                                  np.float32(-0.9), np.float32(0.05), 36, False)
+            wr_u16(dst, o, f32_to_f16_bits(d))
+            wr_u16(dst, o + 2, f32_to_f16_bits(-the_min))
+            for j in range(32):
+                L[j] = Lu[j]
+        else:
+            d = make_qx(32, 8 if kind == Q4_0 else 16, xb, L, w)
+            wr_u16(dst, o, f32_to_f16_bits(d))
+        qo = o + (2 if kind == Q4_0 else 4)
+        if kind == Q5_0 or kind == Q5_1:
+            qh = np.int64(0)
+            for j in range(16):
+                qh |= ((np.int64(L[j]) & 0x10) >> 4) << j
+                qh |= ((np.int64(L[j + 16]) & 0x10) >> 4) << (j + 16)
+            hb = o + (2 if kind == Q5_0 else 4)
+            for k in range(4):
+                dst[hb + k] = (qh >> (8 * k)) & 0xFF
+            qo = hb + 4
+        for j in range(16):
+            dst[qo + j] = ((np.int64(L[j]) & 0xF) | ((np.int64(L[j + 16]) & 0xF) << 4)) & 0xFF
+
+
+@njit(cache=True, parallel=True)
+def quantize_rows_legacy_imat(kind, X, qw, dst):
+    for r in prange(X.shape[0]):
+        quantize_row_legacy_imat(kind, X[r], qw, dst[r])
