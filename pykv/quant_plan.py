@@ -11,6 +11,7 @@ llama architecture (one expert, not Falcon):
 * a row length that the chosen type cannot hold falls back as llama.cpp does (FALLBACK), then F16.
 
 The plain "q6_k" and the Q6_K mix choose the same types for llama models, so one name serves both.
+llama-quantize's own "Q4_K" / "Q5_K" / "Q3_K" are aliases of its _M mixes; pykv's are plain types.
 """
 from __future__ import annotations
 
@@ -22,6 +23,8 @@ import numpy as np
 
 import gguf
 from gguf import GGMLQuantizationType as QT
+
+from pykv.convert import FILE_TYPES, WEIGHT_TYPES
 
 _FT = gguf.LlamaFileType
 
@@ -40,17 +43,11 @@ class Mix:
     pure: bool = False
 
 
-def _plain(t: QT, ft) -> Mix:
-    return Mix(t, int(ft), pure=True)
-
-
 _MORE6 = (("more_bits", 0, QT.Q6_K),)
-MIXES: dict[str, Mix] = {
-    "q2_k": _plain(QT.Q2_K, _FT.MOSTLY_Q2_K),
-    "q3_k": _plain(QT.Q3_K, _FT.MOSTLY_Q3_K_S),
-    "q4_k": _plain(QT.Q4_K, _FT.MOSTLY_Q4_K_S),
-    "q5_k": _plain(QT.Q5_K, _FT.MOSTLY_Q5_K_S),
-    "q6_k": Mix(QT.Q6_K, int(_FT.MOSTLY_Q6_K)),
+# plain types: convert.WEIGHT_TYPES / FILE_TYPES ("q6_k" is also llama-quantize's Q6_K mix: for llama
+# models the mix's output rule picks what the fallback picks); then the mixes
+MIXES: dict[str, Mix] = {name: Mix(t, int(FILE_TYPES[name]), pure=True) for name, t in WEIGHT_TYPES.items()}
+MIXES.update({
     "q3_k_m": Mix(QT.Q3_K, int(_FT.MOSTLY_Q3_K_M), {
         "attn_v": (("lt", 2, QT.Q5_K), ("all", 0, QT.Q4_K)),
         "ffn_down": (("lt_n", 16, QT.Q5_K), ("all", 0, QT.Q4_K)),
@@ -60,12 +57,7 @@ MIXES: dict[str, Mix] = {
         "ffn_down": (("lt_n", 8, QT.Q5_K),)}),
     "q4_k_m": Mix(QT.Q4_K, int(_FT.MOSTLY_Q4_K_M), {"attn_v": _MORE6, "ffn_down": _MORE6}),
     "q5_k_m": Mix(QT.Q5_K, int(_FT.MOSTLY_Q5_K_M), {"attn_v": _MORE6, "ffn_down": _MORE6}),
-}
-for _n, _t, _ft in (("f32", QT.F32, _FT.ALL_F32), ("f16", QT.F16, _FT.MOSTLY_F16),
-                    ("bf16", QT.BF16, _FT.MOSTLY_BF16), ("q8_0", QT.Q8_0, _FT.MOSTLY_Q8_0),
-                    ("q4_0", QT.Q4_0, _FT.MOSTLY_Q4_0), ("q4_1", QT.Q4_1, _FT.MOSTLY_Q4_1),
-                    ("q5_0", QT.Q5_0, _FT.MOSTLY_Q5_0), ("q5_1", QT.Q5_1, _FT.MOSTLY_Q5_1)):
-    MIXES[_n] = _plain(_t, _ft)
+})
 
 
 def _category(name: str) -> str:
