@@ -15,6 +15,7 @@ llama-quantize's own "Q4_K" / "Q5_K" / "Q3_K" are aliases of its _M mixes; pykv'
 """
 from __future__ import annotations
 
+import re
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -99,17 +100,22 @@ def fallback(t: QT, ncols: int) -> QT:
     return t if ncols % block_size(t) == 0 else QT.F16
 
 
+def _llama_order(name: str):
+    """llama-quantize visits tensors by layer number (non-layer tensors first), then by name."""
+    m = re.match(r"blk\.(\d+)\.", name)
+    return (int(m.group(1)) if m else -1, name)
+
+
 def plan_types(tensors, mix: Mix, n_layer: int, output_type: QT | None = None,
-               token_embedding_type: QT | None = None) -> list[QT | None]:
-    """tensors: [(name, numpy shape)] in file order, for the quantizable 2-D weights only.
-    Returns the ggml type of each (llama-quantize's choice)."""
+               token_embedding_type: QT | None = None) -> list[QT]:
+    """tensors: [(name, numpy shape)] of the quantizable 2-D weights. Returns the ggml type of each
+    (llama-quantize's choice), in the order given; per-layer counters run in llama-quantize's order."""
     names = [n for n, _ in tensors]
     tied = "output.weight" not in names
-    count = {c: sum(_category(n) == c for n in names) for c in ("attn_v",)}
-    count["ffn_down"] = n_layer
+    count = {"attn_v": sum(_category(n) == "attn_v" for n in names), "ffn_down": n_layer}
     seen: dict[str, int] = {}
-    out = []
-    for name, shape in tensors:
+    chosen: dict[str, QT] = {}
+    for name, shape in sorted(tensors, key=lambda t: _llama_order(t[0])):
         cat = _category(name)
         ncols = shape[-1]
         t = mix.base
@@ -132,8 +138,8 @@ def plan_types(tensors, mix: Mix, n_layer: int, output_type: QT | None = None,
                     if _holds(cond, arg, i, count.get(cat, n_layer)):
                         t = tt
                         break
-        out.append(fallback(t, ncols))
-    return out
+        chosen[name] = fallback(t, ncols)
+    return [chosen[n] for n in names]
 
 
 # ----------------------------------------------------------------------------------------------

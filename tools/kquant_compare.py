@@ -102,10 +102,15 @@ def compare(src: Path, target: str, work: Path, imatrix: Path | None, do_ppl: bo
            "pykv_rms_worse": worse, "llama_s": t_ll, "pykv_s": t_pk,
            "types": {n: r[1] for n, r in zip(rs, rows)}, "files": (ll, pk)}
     if do_ppl:
-        res["ppl_llama"], res["ppl_pykv"] = ppl(ll), ppl(pk)
+        res["ppl_pykv"] = ppl(pk)
+        # identical tensor bytes give identical logits: the llama-quantize file is scored only when some
+        # tensor differs (or for q4_k_m, the criterion, always)
+        both = n_same < len(rs) or target == "q4_k_m"
+        res["ppl_llama"] = ppl(ll) if both else res["ppl_pykv"]
+        res["ppl_note"] = "" if both else " (same tensors: scored once)"
     print(f"{tag}: {n_same}/{len(rs)} tensors byte-identical, {n_type_diff} type mismatches, "
           f"pykv RMS worse on {len(worse)}" + (f"; ppl llama {res['ppl_llama']:.4f} pykv {res['ppl_pykv']:.4f} "
-                                              f"({100 * (res['ppl_pykv'] / res['ppl_llama'] - 1):+.3f} %)"
+                                              f"({100 * (res['ppl_pykv'] / res['ppl_llama'] - 1):+.3f} %){res['ppl_note']}"
                                               if do_ppl else ""))
     return res
 
@@ -163,6 +168,8 @@ def main() -> None:
     ap.add_argument("--work", default="/tmp/kquant_compare")
     ap.add_argument("--only", default=None, help="comma list of targets")
     ap.add_argument("--imatrix", action="store_true", help="also quantize with an imatrix from llama-imatrix")
+    ap.add_argument("--imatrix-targets", default="q2_k,q3_k,q4_k,q5_k,q6_k,q4_k_m",
+                    help="targets quantized with the imatrix too (default: every K type once, and q4_k_m)")
     ap.add_argument("--no-ppl", action="store_true")
     ap.add_argument("--write-fixtures", action="store_true")
     a = ap.parse_args()
@@ -176,12 +183,13 @@ def main() -> None:
     imat = None
     if a.imatrix:
         imat = make_imatrix(src, work)
-        for tg in targets:
+        for tg in a.imatrix_targets.split(","):
             results[tg + "-imat"] = compare(src, tg, work, imat, not a.no_ppl)
     print("\n| target | identical tensors | type mismatches | pykv RMS worse | ppl llama | ppl pykv | diff |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for r in results.values():
         p = (f"{r['ppl_llama']:.4f} | {r['ppl_pykv']:.4f} | {100 * (r['ppl_pykv'] / r['ppl_llama'] - 1):+.3f} %"
+             f"{r['ppl_note']}"
              if "ppl_llama" in r else "- | - | -")
         print(f"| {r['target']} | {r['identical']}/{r['tensors']} | {r['type_mismatch']} | "
               f"{len(r['pykv_rms_worse'])} | {p} |")
