@@ -217,8 +217,9 @@ def read_imatrix(path) -> dict[str, np.ndarray]:
     path = Path(path)
     if not path.is_file():
         raise ImatrixError(f"imatrix file not found: {path}")
-    raw = path.read_bytes()
-    out = _read_gguf_imatrix(path) if raw[:4] == b"GGUF" else _read_legacy_imatrix(path, raw)
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    out = _read_gguf_imatrix(path) if magic == b"GGUF" else _read_legacy_imatrix(path, path.read_bytes())
     for name, w in out.items():
         if not np.all(np.isfinite(w)):
             raise ImatrixError(f"imatrix {path}: {name} has non-finite values")
