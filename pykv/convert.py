@@ -36,13 +36,18 @@ class ConvertError(Exception):
 WEIGHT_TYPES: dict[str, QT] = {
     "f32": QT.F32, "f16": QT.F16, "bf16": QT.BF16,
     "q8_0": QT.Q8_0, "q4_0": QT.Q4_0, "q4_1": QT.Q4_1, "q5_0": QT.Q5_0, "q5_1": QT.Q5_1,
+    "q2_k": QT.Q2_K, "q3_k": QT.Q3_K, "q4_k": QT.Q4_K, "q5_k": QT.Q5_K, "q6_k": QT.Q6_K,
 }
-QUANT_TYPES = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
+QUANT_TYPES = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1")     # 32-blocks through kernels.kvquant
+K_QUANT_TYPES = ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k")   # 256-blocks through kernels.quantize_k
 FILE_TYPES: dict[str, int] = {
     "f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
     "bf16": gguf.LlamaFileType.MOSTLY_BF16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
     "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0, "q4_1": gguf.LlamaFileType.MOSTLY_Q4_1,
     "q5_0": gguf.LlamaFileType.MOSTLY_Q5_0, "q5_1": gguf.LlamaFileType.MOSTLY_Q5_1,
+    "q2_k": gguf.LlamaFileType.MOSTLY_Q2_K, "q3_k": gguf.LlamaFileType.MOSTLY_Q3_K_S,
+    "q4_k": gguf.LlamaFileType.MOSTLY_Q4_K_S, "q5_k": gguf.LlamaFileType.MOSTLY_Q5_K_S,
+    "q6_k": gguf.LlamaFileType.MOSTLY_Q6_K,
 }
 SUPPORTED_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM")
 # KV cache element types reported by `info` (bytes per element = type size / block size)
@@ -99,11 +104,13 @@ def quantize_backend(name: str) -> str:
     return "numba" if nq and name in nq[1] else "gguf.quants"
 
 
-def encode(x: np.ndarray, qt: QT, backend: str | None = None) -> np.ndarray:
+def encode(x: np.ndarray, qt: QT, backend: str | None = None, qw: np.ndarray | None = None) -> np.ndarray:
     """Encode a float32 2-D array as GGML type ``qt``.
 
     Returns float32/float16 arrays for F32/F16, otherwise uint8 rows of the
-    type's byte size (layout identical to gguf.quants.quantize)."""
+    type's byte size (layout identical to gguf.quants.quantize / llama.cpp's quantizers).
+    qw: float32[cols] importance weights (an imatrix row) for the K types and q4_0/q4_1/q5_0/q5_1,
+    used as llama-quantize uses them."""
     x = np.ascontiguousarray(x, dtype=np.float32)
     if qt == QT.F32:
         return x
@@ -112,6 +119,14 @@ def encode(x: np.ndarray, qt: QT, backend: str | None = None) -> np.ndarray:
     if qt == QT.BF16:
         return gguf.quants.quantize(x, QT.BF16)
     name = _type_name(qt)
+    from pykv.kernels import quantize_k as K
+    imat = qw is not None and int(qt) in K.LEGACY_BLOCK_BYTES
+    if int(qt) in K.BLOCK_BYTES or imat:
+        x2 = x.reshape(-1, x.shape[-1])
+        dst = np.empty((x2.shape[0], _row_bytes(qt, x2.shape[1])), dtype=np.uint8)
+        w = np.zeros(0, np.float32) if qw is None else np.ascontiguousarray(qw, np.float32)
+        (K.quantize_rows_legacy_imat if imat else K.quantize_rows_k)(int(qt), x2, w, dst)
+        return dst.reshape(*x.shape[:-1], dst.shape[-1])
     nq = _numba_quantizer()
     use_numba = backend != "gguf.quants" and nq and name in nq[1]
     if backend == "numba" and not use_numba:
@@ -801,12 +816,38 @@ def _tensor_f32(rt) -> np.ndarray:
 # quantize GGUF -> GGUF
 # ----------------------------------------------------------------------------
 
+def parse_quant_type(name: str) -> str:
+    """A `pykv quantize` target: a plain type (every weight in it) or a llama-quantize mix name."""
+    from pykv.quant_plan import MIXES
+    n = str(name).strip().lower()
+    if n not in MIXES:
+        raise ConvertError(f"unsupported type {name!r} (choose from {', '.join(MIXES)})")
+    return n
+
+
+def quantize_plan(r: gguf.GGUFReader, qtype: str, output_type=None, token_embedding_type=None) -> dict[str, QT]:
+    """{tensor name: ggml type} that `pykv quantize` writes (llama-quantize's choice for a mix)."""
+    from pykv.quant_plan import MIXES, plan_types
+    mix = MIXES[parse_quant_type(qtype)]
+    otype = WEIGHT_TYPES[parse_type(output_type, "--output-type")] if output_type else None
+    etype = WEIGHT_TYPES[parse_type(token_embedding_type, "--token-embedding-type")] if token_embedding_type else None
+    arch = _field_value(r.fields["general.architecture"]) if "general.architecture" in r.fields else "?"
+    f = r.fields.get(f"{arch}.block_count")
+    n_layer = int(_field_value(f)) if f is not None else 0
+    weights = [(rt.name, _tensor_shape(rt)) for rt in r.tensors
+               if not _keeps_f32(rt.name, len(_tensor_shape(rt)))]
+    plan = {rt.name: QT.F32 for rt in r.tensors}
+    plan.update(zip([n for n, _ in weights], plan_types(weights, mix, n_layer, otype, etype)))
+    return plan
+
+
 def quantize_gguf(in_path, out_path, qtype, output_type=None, token_embedding_type=None,
-                  force: bool = False, progress=None) -> Path:
+                  force: bool = False, progress=None, imatrix=None) -> Path:
+    """Requantize a llama GGUF to a plain type or a llama-quantize mix (see pykv.quant_plan);
+    imatrix: a llama-imatrix file whose per-column weights steer the K / q4_0..q5_1 quantizers."""
+    from pykv.quant_plan import MIXES, ImatrixError, imatrix_for, read_imatrix
     in_path, out_path = Path(in_path), Path(out_path)
-    qtype = parse_type(qtype, "type")
-    otype = parse_type(output_type, "--output-type") if output_type else qtype
-    etype = parse_type(token_embedding_type, "--token-embedding-type") if token_embedding_type else qtype
+    qtype = parse_quant_type(qtype)
     _check_out(out_path, force)
     if in_path.resolve() == out_path.resolve():
         raise ConvertError("input and output are the same file")
@@ -814,23 +855,26 @@ def quantize_gguf(in_path, out_path, qtype, output_type=None, token_embedding_ty
     arch = _field_value(r.fields["general.architecture"]) if "general.architecture" in r.fields else "?"
     if arch != "llama":
         raise ConvertError(f"unsupported architecture {arch!r} (only llama)")
+    plan = quantize_plan(r, qtype, output_type, token_embedding_type)
+    try:
+        imat = read_imatrix(imatrix) if imatrix is not None else None
+        qws = {rt.name: imatrix_for(imat, rt.name, _tensor_shape(rt)[-1]) for rt in r.tensors
+               if plan[rt.name] != QT.F32}
+    except ImatrixError as e:
+        raise ConvertError(str(e)) from None
+    if imat is not None and not any(w is not None for w in qws.values()):
+        raise ConvertError(f"imatrix {imatrix} has no entry for any tensor of {in_path.name}")
 
     planned: list[_PlannedTensor] = []
     for rt in r.tensors:
         shape = _tensor_shape(rt)
-        if _keeps_f32(rt.name, len(shape)):
-            want = QT.F32
-        else:
-            name = etype if rt.name == "token_embd.weight" else otype if rt.name == "output.weight" else qtype
-            want = WEIGHT_TYPES[name]
-            if not _can_use(want, shape[-1]):
-                want = QT.F16
+        want = plan[rt.name]
         src = rt.tensor_type
 
-        def produce(rt=rt, src=src, want=want, shape=shape):
+        def produce(rt=rt, src=src, want=want, shape=shape, qw=qws.get(rt.name)):
             if src == want:
                 return np.ascontiguousarray(rt.data)
-            return encode(decode(rt.data, src).reshape(shape), want)
+            return encode(decode(rt.data, src).reshape(shape), want, qw=qw)
         planned.append(_PlannedTensor(rt.name, shape, want, produce))
 
     def setup(w: gguf.GGUFWriter) -> None:
@@ -843,7 +887,7 @@ def quantize_gguf(in_path, out_path, qtype, output_type=None, token_embedding_ty
             _copy_field(w, key, f)
             if key == f"{arch}.rope.dimension_count":
                 pass
-        w.add_file_type(int(FILE_TYPES[qtype]))
+        w.add_file_type(int(MIXES[qtype].file_type))
         w.add_quantization_version(gguf.GGML_QUANT_VERSION)
 
     return _write_gguf(out_path, setup, arch, planned, force, progress, "quantize")
@@ -1231,7 +1275,7 @@ def _cmd_convert(a) -> int:
 def _cmd_quantize(a) -> int:
     def go():
         p = quantize_gguf(a.input, a.out, a.type, output_type=a.output_type,
-                          token_embedding_type=a.token_embedding_type, force=a.force)
+                          token_embedding_type=a.token_embedding_type, force=a.force, imatrix=a.imatrix)
         print(f"wrote {p}", file=sys.stderr)
     return _run(go)
 
@@ -1259,11 +1303,16 @@ def register_cli(subparsers) -> None:
     p.add_argument("--force", action="store_true", help="overwrite an existing output")
     p.set_defaults(func=_cmd_convert)
 
+    from pykv.quant_plan import MIXES
     p = subparsers.add_parser("quantize", help="requantize the 2-D weights of a GGUF",
-                              description=f"Requantize the 2-D weights of a GGUF model ({types}).")
+                              description="Requantize the 2-D weights of a GGUF model: a plain type (every "
+                                          f"weight in it: {', '.join(n for n, m in MIXES.items() if m.pure)}) "
+                                          "or a llama-quantize mix (q3_k_m, q4_k_s, q4_k_m, q5_k_m, q6_k), "
+                                          "with llama.cpp's per-tensor choices and fallbacks.")
     p.add_argument("input", help="input .gguf")
     p.add_argument("out", help="output .gguf")
-    p.add_argument("type", type=str.lower, choices=list(WEIGHT_TYPES), help="target type")
+    p.add_argument("type", type=str.lower, choices=list(MIXES), help="target type or mix")
+    p.add_argument("--imatrix", help="importance matrix written by llama-imatrix (GGUF or legacy .dat)")
     p.add_argument("--output-type", "--output-tensor-type", dest="output_type", type=str.lower,
                    choices=list(WEIGHT_TYPES), help="type for output.weight")
     p.add_argument("--token-embedding-type", dest="token_embedding_type", type=str.lower,

@@ -7,8 +7,11 @@ from gguf import quants
 
 from pykv.kernels import matmul as M
 
-TYPES = [GT.F32, GT.F16, GT.BF16, GT.Q8_0, GT.Q4_0, GT.Q4_1, GT.Q5_0, GT.Q5_1, GT.Q4_K, GT.Q5_K, GT.Q6_K]
-K_TYPES = (GT.Q4_K, GT.Q5_K, GT.Q6_K)
+TYPES = [GT.F32, GT.F16, GT.BF16, GT.Q8_0, GT.Q4_0, GT.Q4_1, GT.Q5_0, GT.Q5_1, GT.Q2_K, GT.Q3_K, GT.Q4_K,
+         GT.Q5_K, GT.Q6_K]
+K_TYPES = (GT.Q2_K, GT.Q3_K, GT.Q4_K, GT.Q5_K, GT.Q6_K)
+# byte offsets of the f16 super-block scales: (d, dmin) or (d,) for the symmetric types
+_K_SCALES = {GT.Q2_K: (80, 82), GT.Q3_K: (108,), GT.Q4_K: (0, 2), GT.Q5_K: (0, 2), GT.Q6_K: (208,)}
 ROWS = 133     # > one row tile (64 / 128) and not a multiple of anything useful
 
 
@@ -31,11 +34,10 @@ def make_weight(t, rows, cols, rng):
         bpb = M._BLOCK[int(t)][1]
         nb = rows * cols // 256
         blocks = rng.integers(0, 256, size=(nb, bpb), dtype=np.uint8)
-        if t == GT.Q6_K:
-            blocks[:, 208:210] = _f16_bytes(rng.uniform(-0.02, 0.02, nb))
-        else:
-            blocks[:, 0:2] = _f16_bytes(rng.uniform(0.0, 0.02, nb))     # d
-            blocks[:, 2:4] = _f16_bytes(rng.uniform(0.0, 0.02, nb))     # dmin
+        offs = _K_SCALES[t]
+        lo = -0.02 if len(offs) == 1 else 0.0       # symmetric types: signed d; else d, dmin >= 0
+        for o in offs:
+            blocks[:, o:o + 2] = _f16_bytes(rng.uniform(lo, 0.02, nb))
         data = blocks.reshape(rows, -1)
     else:
         data = quants.quantize(rng.standard_normal((rows, cols)).astype(np.float32), t)

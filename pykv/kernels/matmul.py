@@ -15,6 +15,10 @@ Block layouts (ggml, little endian; "d"/"m" are f16):
     Q4_1  20 B / 32: d, m, qs[16]                           x = d*q + m
     Q5_0  22 B / 32: d, qh u32, qs[16] (bit j of qh = bit 4 of element j)   x = d*(q-16)
     Q5_1  24 B / 32: d, m, qh u32, qs[16]                   x = d*q + m
+    Q2_K  84 B / 256: scales[16] (lo nibble sc, hi nibble m), qs[64], d, dmin
+          element 128h + 32k + l: q = (qs[32h + l] >> 2k) & 3, x = d*sc[e//16]*q - dmin*m[e//16]
+    Q3_K 110 B / 256: hmask[32], qs[64], scales[12] (16 x 6-bit, stored +32), d
+          q = ((qs[32h + l] >> 2k) & 3) - (0 if bit e//32 of hmask[e%32] else 4), x = d*(sc[e//16]-32)*q
     Q4_K 144 B / 256: d, dmin, scales[12] (8 x 6-bit sc and m), qs[128]
           (4 chunks of 32 bytes; chunk c: sub-block 2c = lo nibbles, 2c+1 = hi)   x = d*sc*q - dmin*m
     Q5_K 176 B / 256: d, dmin, scales[12], qh[32] (bit s of qh[l] = bit 4 of sub-block s, element l), qs[128]
@@ -59,13 +63,13 @@ _FM = {"contract", "reassoc", "nsz", "arcp"}
 
 F32, F16, BF16 = int(_GT.F32), int(_GT.F16), int(_GT.BF16)
 Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = int(_GT.Q4_0), int(_GT.Q4_1), int(_GT.Q5_0), int(_GT.Q5_1), int(_GT.Q8_0)
-Q4_K, Q5_K, Q6_K = int(_GT.Q4_K), int(_GT.Q5_K), int(_GT.Q6_K)
+Q2_K, Q3_K, Q4_K, Q5_K, Q6_K = int(_GT.Q2_K), int(_GT.Q3_K), int(_GT.Q4_K), int(_GT.Q5_K), int(_GT.Q6_K)
 
 # ggml type -> (elements per block, bytes per block)
 _BLOCK = {
     F32: (1, 4), F16: (1, 2), BF16: (1, 2),
     Q8_0: (32, 34), Q4_0: (32, 18), Q4_1: (32, 20), Q5_0: (32, 22), Q5_1: (32, 24),
-    Q4_K: (256, 144), Q5_K: (256, 176), Q6_K: (256, 210),
+    Q2_K: (256, 84), Q3_K: (256, 110), Q4_K: (256, 144), Q5_K: (256, 176), Q6_K: (256, 210),
 }
 SUPPORTED_TYPES = tuple(_BLOCK)
 _KV_CODE = np.full(max(_BLOCK) + 1, -1, np.int64)       # ggml type -> pykv.formats code (same bytes)
@@ -89,6 +93,28 @@ def set_exact(flag: bool) -> None:
 # ----------------------------------------------------------------------------------------------------
 
 @njit(cache=True, nogil=True, inline="always")
+@njit(cache=True, nogil=True, inline="always")
+def _q3k_scale(w, o, j):
+    """signed scale j (0..15) of a Q3_K block from the 12 packed bytes at w[o:o+12]."""
+    lo = (np.int32(w[o + j]) & 15) if j < 8 else (np.int32(w[o + j - 8]) >> 4)
+    return (lo | (((np.int32(w[o + 8 + (j & 3)]) >> (2 * (j >> 2))) & 3) << 4)) - 32
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _q23k_q(kind, w, o, e):
+    """2-bit (Q2_K) or signed 3-bit (Q3_K) quant of element e (0..255) of the block at w[o:]."""
+    h = e >> 7
+    k = (e >> 5) & 3
+    l = e & 31
+    if kind == Q2_K:
+        return (np.int32(w[o + 16 + 32 * h + l]) >> (2 * k)) & 3
+    q = (np.int32(w[o + 32 + 32 * h + l]) >> (2 * k)) & 3
+    if (np.int32(w[o + (e & 31)]) >> (e >> 5)) & 1 == 0:
+        q -= 4
+    return q
+
+
+@njit(cache=True, nogil=True, inline="always")
 def _k_scale_min(w, o, s):
     """6-bit (scale, min) of sub-block s (0..7) from the 12 packed bytes at w[o:o+12] (Q4_K/Q5_K)."""
     if s < 4:
@@ -108,8 +134,29 @@ def _k_scale_min(w, o, s):
 @njit(cache=True, nogil=True)
 def _deq_row(kind, w, y):
     n = y.shape[0]
-    if kind != Q4_K and kind != Q5_K and kind != Q6_K:    # the KV cache's formats: one decoder each
+    if kind < Q2_K or kind > Q6_K:        # the KV cache's formats: one decoder each
         deq_rows(_KV_CODE[kind], w, 0, 0, 1, y.reshape(1, n))
+    elif kind == Q2_K:
+        for b in range(n // 256):
+            o = 84 * b
+            d = rd_f16(w, o + 80)
+            dmin = rd_f16(w, o + 82)
+            for s in range(16):
+                sc = np.int32(w[o + s])
+                dl = d * np.float32(sc & 15)
+                ml = dmin * np.float32(sc >> 4)
+                for l in range(16):
+                    e = 16 * s + l
+                    y[256 * b + e] = dl * np.float32(_q23k_q(Q2_K, w, o, e)) - ml
+    elif kind == Q3_K:
+        for b in range(n // 256):
+            o = 110 * b
+            d = rd_f16(w, o + 108)
+            for s in range(16):
+                dl = d * np.float32(_q3k_scale(w, o + 96, s))
+                for l in range(16):
+                    e = 16 * s + l
+                    y[256 * b + e] = dl * np.float32(_q23k_q(Q3_K, w, o, e))
     elif kind == Q4_K or kind == Q5_K:
         bs = 144 if kind == Q4_K else 176
         qo = 16 if kind == Q4_K else 48
@@ -318,6 +365,37 @@ def _dot_q8_generic(kind, w, xq, xd, xs):
                 acc += d * xd[b] * np.float32(isum - 16 * xs[b])
             else:
                 acc += xd[b] * (d * np.float32(isum) + rd_f16(w, o + 2) * np.float32(xs[b]))
+    elif kind == Q2_K or kind == Q3_K:
+        bs = 84 if kind == Q2_K else 110
+        for sb in range(nb // 8):
+            o = bs * sb
+            sacc = np.float32(0.0)
+            macc = np.float32(0.0)
+            for a in range(8):             # activation block a = sub-blocks 2a, 2a+1 (16 each)
+                b = 8 * sb + a
+                x0 = 32 * b
+                i0 = np.int32(0)
+                i1 = np.int32(0)
+                s0 = np.int32(0)
+                s1 = np.int32(0)
+                for l in range(16):
+                    i0 += _q23k_q(kind, w, o, 32 * a + l) * np.int32(xq[x0 + l])
+                    s0 += np.int32(xq[x0 + l])
+                for l in range(16, 32):
+                    i1 += _q23k_q(kind, w, o, 32 * a + l) * np.int32(xq[x0 + l])
+                    s1 += np.int32(xq[x0 + l])
+                if kind == Q2_K:
+                    c0 = np.int32(w[o + 2 * a])
+                    c1 = np.int32(w[o + 2 * a + 1])
+                    sacc += xd[b] * np.float32((c0 & 15) * i0 + (c1 & 15) * i1)
+                    macc += xd[b] * np.float32((c0 >> 4) * s0 + (c1 >> 4) * s1)
+                else:
+                    sacc += xd[b] * np.float32(_q3k_scale(w, o + 96, 2 * a) * i0
+                                               + _q3k_scale(w, o + 96, 2 * a + 1) * i1)
+            if kind == Q2_K:
+                acc += rd_f16(w, o + 80) * sacc - rd_f16(w, o + 82) * macc
+            else:
+                acc += rd_f16(w, o + 108) * sacc
     elif kind == Q4_K or kind == Q5_K:
         bs = 144 if kind == Q4_K else 176
         qo = 16 if kind == Q4_K else 48
