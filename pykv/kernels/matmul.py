@@ -93,7 +93,6 @@ def set_exact(flag: bool) -> None:
 # ----------------------------------------------------------------------------------------------------
 
 @njit(cache=True, nogil=True, inline="always")
-@njit(cache=True, nogil=True, inline="always")
 def _q3k_scale(w, o, j):
     """signed scale j (0..15) of a Q3_K block from the 12 packed bytes at w[o:o+12]."""
     lo = (np.int32(w[o + j]) & 15) if j < 8 else (np.int32(w[o + j - 8]) >> 4)
