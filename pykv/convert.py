@@ -1292,7 +1292,6 @@ def _cmd_info(a) -> int:
 
 
 def register_cli(subparsers) -> None:
-    types = ", ".join(WEIGHT_TYPES)
     p = subparsers.add_parser("convert", help="convert a HF LLaMA checkpoint to GGUF",
                               description="Convert a HF LLaMA/Mistral checkpoint (config.json + safetensors + "
                                           "tokenizer) to GGUF, as llama.cpp's converter writes it.")
