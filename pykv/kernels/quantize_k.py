@@ -26,7 +26,8 @@ from numba import njit, prange
 
 from gguf import GGMLQuantizationType as _GT
 
-from .kvquant import f16_bits_to_f32, f32_bits, f32_to_f16_bits, wr_u16
+from .kvquant import f32_to_f16_bits, wr_u16
+from .simd import f32_bits, h2f
 
 QK_K = 256
 Q4_0, Q4_1, Q5_0, Q5_1 = int(_GT.Q4_0), int(_GT.Q4_1), int(_GT.Q5_0), int(_GT.Q5_1)
@@ -59,7 +60,7 @@ def _sqrtf(v):
 def _fp16_round(v):
     """(f16 bits, value read back) of float32 v, as GGML_FP32_TO_FP16 / GGML_FP16_TO_FP32."""
     h = f32_to_f16_bits(v)
-    return h, np.float32(f16_bits_to_f32(h))
+    return h, np.float32(h2f(h))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -352,7 +353,7 @@ def _q3_scale(dst, o, j):
 @njit(cache=True, inline="always")
 def _finish_q3(x, xo, dst, o, L):
     """Q3_K second pass from the packed scales and d, then hmask + qs."""
-    d = np.float32(f16_bits_to_f32(np.int64(dst[o + 108]) | (np.int64(dst[o + 109]) << 8)))
+    d = np.float32(h2f(np.int64(dst[o + 108]) | (np.int64(dst[o + 109]) << 8)))
     for j in range(16):
         dd = d * np.float32(_q3_scale(dst, o + 96, j))
         if dd == _F0:
