@@ -209,7 +209,7 @@ def test_prepare_weight_rejects_bad_sizes(t):
 
 def test_prepare_weight_rejects_unsupported_type():
     with pytest.raises(ValueError, match="unsupported"):
-        M.prepare_weight(int(GT.Q2_K), np.zeros((4, 84), np.uint8), 4, 256)
+        M.prepare_weight(int(GT.IQ2_XXS), np.zeros((4, 66), np.uint8), 4, 256)
     with pytest.raises(ValueError, match="unsupported"):
         M.prepare_weight(12345, np.zeros((4, 4), np.uint8), 4, 4)
 
