@@ -132,11 +132,9 @@ def make_qkx(n, nmax, x, w, L, Laux, rmin, rdelta, nstep, use_mad):
     return scale, -mn
 
 
-@njit(cache=True)
-def make_qx(n, nmax, x, L, qw):
-    """make_qx_quants(rmse_type=1): weights qw[i] when qw has n entries, else x[i]^2. L = l + nmax."""
-    use_qw = qw.shape[0] > 0
-    fmax = np.float32(nmax)
+@njit(cache=True, inline="always")
+def _signed_max(x, n):
+    """(x[i], |x[i]|) for the first i of largest |x[i]| in x[:n] (make_qx / make_q3's search)."""
     mx = _F0
     amax = _F0
     for i in range(n):
@@ -144,6 +142,15 @@ def make_qx(n, nmax, x, L, qw):
         if ax > amax:
             amax = ax
             mx = x[i]
+    return mx, amax
+
+
+@njit(cache=True)
+def make_qx(n, nmax, x, L, qw):
+    """make_qx_quants(rmse_type=1): weights qw[i] when qw has n entries, else x[i]^2. L = l + nmax."""
+    use_qw = qw.shape[0] > 0
+    fmax = np.float32(nmax)
+    mx, amax = _signed_max(x, n)
     if amax < _EPS:
         for i in range(n):
             L[i] = 0
@@ -183,13 +190,7 @@ def make_qx(n, nmax, x, L, qw):
 @njit(cache=True)
 def make_q3(n, nmax, x, L):
     """make_q3_quants(do_rmse=true). L = l + nmax."""
-    mx = _F0
-    amax = _F0
-    for i in range(n):
-        ax = abs(x[i])
-        if ax > amax:
-            amax = ax
-            mx = x[i]
+    mx, amax = _signed_max(x, n)
     if amax < _EPS:
         for i in range(n):
             L[i] = 0
