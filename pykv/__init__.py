@@ -2,12 +2,14 @@
 __version__ = "0.1.0"
 
 from .config import Config, PykvError  # noqa: E402
+from .session import Session  # noqa: E402
 
 
 def load(path=None, *, n_ctx=2048, kv_type_k="f16", kv_type_v="f16", threads=None, **kw):
-    """Load a GGUF LLaMA model (path=None: the default SmolLM2-135M-Instruct Q4_1, fetched on first use)."""
+    """Load a GGUF LLaMA model (path=None: the default SmolLM2-135M-Instruct Q4_1, fetched on first use).
+    Keywords of pykv.model.Model: kv_rotate, page_tokens, n_batch, kv_budget, kv_smooth, q8_act, max_seqs."""
     from .model import load as _load
     return _load(path, n_ctx=n_ctx, kv_type_k=kv_type_k, kv_type_v=kv_type_v, threads=threads, **kw)
 
 
-__all__ = ["load", "Config", "PykvError", "__version__"]
+__all__ = ["load", "Config", "PykvError", "Session", "__version__"]

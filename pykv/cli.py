@@ -1,4 +1,4 @@
-"""`pykv` command line: run, pull, perplexity, plan, bench, and the model-file tools."""
+"""`pykv` command line: run, chat, pull, perplexity, plan, bench, and the model-file tools."""
 from __future__ import annotations
 
 import argparse
@@ -21,6 +21,17 @@ def _model_args(p: argparse.ArgumentParser, with_prompt: bool = False) -> None:
                    help="Hadamard rotation of K/V before quantization (auto: on for quantized types)")
     p.add_argument("--kv-budget", default=None, help="cap the KV pool, e.g. 64MiB")
     p.add_argument("-t", "--threads", type=int, default=None, help="threads (default: all cores)")
+
+
+def _sampling_args(p: argparse.ArgumentParser, n_predict: int = 128, temp: float = 0.8) -> None:
+    p.add_argument("-n", "--n-predict", type=int, default=n_predict,
+                   help=f"tokens to generate (default {n_predict})")
+    p.add_argument("--temp", type=float, default=temp)
+    p.add_argument("--top-k", type=int, default=40)
+    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--min-p", type=float, default=0.05)
+    p.add_argument("--repeat-penalty", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
 
 
 def parse_bytes(s: str) -> int:
@@ -103,13 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("run", help="generate text from a prompt")
     _model_args(p, with_prompt=True)
-    p.add_argument("-n", "--n-predict", type=int, default=128, help="tokens to generate (default 128)")
-    p.add_argument("--temp", type=float, default=0.8)
-    p.add_argument("--top-k", type=int, default=40)
-    p.add_argument("--top-p", type=float, default=0.95)
-    p.add_argument("--min-p", type=float, default=0.05)
-    p.add_argument("--repeat-penalty", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None)
+    _sampling_args(p)
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
     p.add_argument("-f", "--file", help="read the prompt from a file")
     p.add_argument("--echo", action="store_true", help="print the prompt before the continuation")
@@ -119,7 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("name", nargs="?", default=None)
     p.set_defaults(func=cmd_pull)
 
-    for mod in ("evaluate", "bench", "convert"):
+    for mod in ("evaluate", "bench", "convert", "chat"):
         try:
             m = __import__(f"pykv.{mod}", fromlist=["register_cli"])
         except ImportError:

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import time
 
-
 from .config import PykvError
 from .sampler import Sampler, SamplerParams
 from .tokenizer import StreamDecoder
@@ -27,18 +26,67 @@ def _stop_cut(text: str, stops) -> tuple[int, bool]:
     return len(text) - hold, False
 
 
+def stop_list(stop) -> list[str]:
+    """`stop` as a list of non-empty strings (a str, a sequence of str, or None)."""
+    return [s for s in ([stop] if isinstance(stop, str) else (stop or ())) if s]
+
+
+def make_sampler(model, temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, repeat_penalty=1.0, seed=None):
+    return Sampler(SamplerParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                                 repeat_penalty=repeat_penalty, seed=seed), model.n_vocab)
+
+
+def sample_loop(model, seq, logits, history, sampler, max_tokens, stops, stats):
+    """The sampling loop of Model.generate and of sessions: sample a token from `logits`, append it to
+    `history` (an end-of-generation token too), and feed it through `seq` only when another token
+    follows, so the last sampled id is never run (a session keeps it pending). Yields text pieces,
+    holding back a tail that may begin a stop string (stop strings match across token boundaries).
+    Sets stats['gen_tokens'] (excluding an end-of-generation token), stats['gen_s'] and
+    stats['finish_reason']: 'stop' (end-of-generation token or stop string) or 'length' (max_tokens,
+    or the context is full)."""
+    dec = StreamDecoder(model.tokenizer)
+    pending, finish = "", "length"
+    t0 = time.perf_counter()
+    for i in range(max_tokens):
+        if i:
+            if seq.n_tokens >= model.n_ctx:
+                break
+            logits = model.eval(seq, [history[-1]])[0]
+            stats["gen_s"] = time.perf_counter() - t0
+        tid = sampler.sample(logits, history)
+        history.append(tid)
+        if model.tokenizer.is_eog(tid):
+            finish = "stop"
+            break
+        stats["gen_tokens"] += 1
+        pending += dec.feed(tid)
+        n, stopped = _stop_cut(pending, stops)
+        if n:
+            yield pending[:n]
+        pending = pending[n:]
+        if stopped:
+            pending, finish = "", "stop"
+            break
+    stats["gen_s"] = time.perf_counter() - t0
+    stats["finish_reason"] = finish
+    pending += dec.flush()
+    n, _ = _stop_cut(pending, stops)
+    if pending[:n]:
+        yield pending[:n]
+
+
 def generate(model, prompt, max_tokens=128, temperature=0.8, top_k=40, top_p=0.95, min_p=0.05,
              repeat_penalty=1.0, seed=None, stop=()):
-    """Stream text pieces. `prompt` is a str (tokenized with special tokens) or a list of ids.
-    Statistics land in model.last_stats (prompt/decode token counts and seconds)."""
+    """Stream text pieces from a fresh sequence. `prompt` is a str (tokenized with special tokens) or a
+    list of ids. Statistics land in model.last_stats (prompt/decode token counts and seconds, finish
+    reason). Generation ends quietly when the context is full (finish reason 'length')."""
     ids = model.tokenize(prompt) if isinstance(prompt, str) else [int(i) for i in prompt]
     if not ids:
         raise PykvError("empty prompt")
     if len(ids) >= model.n_ctx:
         raise PykvError(f"prompt is {len(ids)} tokens, longer than the context size {model.n_ctx} (use -c)")
-    stops = [s for s in ([stop] if isinstance(stop, str) else stop) if s]
-    sampler = Sampler(SamplerParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                                    repeat_penalty=repeat_penalty, seed=seed), model.n_vocab)
+    stops = stop_list(stop)
+    sampler = make_sampler(model, temperature, top_k, top_p, min_p, repeat_penalty, seed)
     stats = model.last_stats = {"prompt_tokens": len(ids), "prompt_s": 0.0, "gen_tokens": 0, "gen_s": 0.0}
 
     def run():
@@ -46,33 +94,6 @@ def generate(model, prompt, max_tokens=128, temperature=0.8, top_k=40, top_p=0.9
         t0 = time.perf_counter()
         logits = model.eval(seq, ids)[0]
         stats["prompt_s"] = time.perf_counter() - t0
-        history = list(ids)
-        dec = StreamDecoder(model.tokenizer)
-        pending = ""
-        t0 = time.perf_counter()
-        for _ in range(max_tokens):
-            tid = sampler.sample(logits, history)
-            if model.tokenizer.is_eog(tid):
-                break
-            history.append(tid)
-            stats["gen_tokens"] += 1
-            pending += dec.feed(tid)
-            n, stopped = _stop_cut(pending, stops)
-            if n:
-                yield pending[:n]
-            pending = pending[n:]
-            if stopped:
-                pending = ""
-                break
-            if seq.n_tokens >= model.n_ctx:
-                break
-            logits = model.eval(seq, [tid])[0]
-            stats["gen_s"] = time.perf_counter() - t0
-        else:
-            stats["gen_s"] = time.perf_counter() - t0
-        pending += dec.flush()
-        n, _ = _stop_cut(pending, stops)
-        if pending[:n]:
-            yield pending[:n]
+        yield from sample_loop(model, seq, logits, list(ids), sampler, max_tokens, stops, stats)
 
     return run()

@@ -112,6 +112,7 @@ class KVCache:
                                np.zeros((KVH, n_pages, pv), np.uint8))
                        for kf, vf, (pk, pv) in zip(k_fmts, v_fmts, self.page_bytes)]
         self.free_pages = list(range(n_pages - 1, -1, -1))
+        self.page_refs = np.zeros(n_pages, np.int32)   # sequences holding each page (fork shares pages)
         self.ring = (KIVI_WINDOW + 1) * self.P   # residual rows per KV head: a ring of whole pages
         self._dummy_res = np.zeros((KVH, self.ring, 2 * HD), np.uint8)
         self._dummy_sink = np.zeros((KVH, N_SINK, 2 * HD), np.uint8)
@@ -153,24 +154,121 @@ class KVCache:
         return seq
 
     def free_sequence(self, seq: Sequence) -> None:
-        for i, p in enumerate(seq.page_table):
-            if p >= 0:
-                self.free_pages.append(int(p))
-                seq.page_table[i] = -1
+        """Give the sequence's pages back to the pool (a page shared with a fork stays with it)."""
+        self._drop_pages(seq, 0)
         seq.n_tokens = 0
 
+    def _drop_pages(self, seq: Sequence, first: int) -> None:
+        for i in range(first, len(seq.page_table)):
+            p = int(seq.page_table[i])
+            if p >= 0:
+                self.page_refs[p] -= 1
+                if self.page_refs[p] == 0:
+                    self.free_pages.append(p)
+                seq.page_table[i] = -1
+
     def reserve(self, seq: Sequence, n_new: int) -> None:
-        """Make room for n_new more tokens (all layers), or raise a clear error."""
+        """Make room for n_new more tokens (all layers), or raise a clear error. A page the writes
+        land in that another sequence shares (a fork's last, partial page) is copied first."""
         total = seq.n_tokens + n_new
         if total > self.n_ctx:
             raise PykvError(f"context full: {total} tokens exceed the context size {self.n_ctx} (use -c)")
-        need = [i for i in range(math.ceil(total / self.P)) if seq.page_table[i] < 0]
-        if len(need) > len(self.free_pages):
-            raise PykvError(f"KV budget exhausted: {total} tokens need {len(need)} more pages of {self.P} "
-                            f"tokens, {len(self.free_pages)} free ({self.nbytes()} bytes in the pool)")
+        end = math.ceil(total / self.P)
+        need = [i for i in range(end) if seq.page_table[i] < 0]
+        shared = [i for i in range(seq.n_tokens // self.P, end)
+                  if seq.page_table[i] >= 0 and self.page_refs[seq.page_table[i]] > 1]
+        if len(need) + len(shared) > len(self.free_pages):
+            raise PykvError(f"KV budget exhausted: {total} tokens need {len(need) + len(shared)} more pages of "
+                            f"{self.P} tokens, {len(self.free_pages)} free ({self.nbytes()} bytes in the pool)")
+        for i in shared:                        # copy-on-write
+            old, new = int(seq.page_table[i]), self.free_pages.pop()
+            for l in self.layers:
+                l.k_pool[:, new] = l.k_pool[:, old]
+                l.v_pool[:, new] = l.v_pool[:, old]
+            self.page_refs[old] -= 1
+            self.page_refs[new] = 1
+            seq.page_table[i] = new
         for i in need:
-            seq.page_table[i] = self.free_pages.pop()
+            seq.page_table[i] = p = self.free_pages.pop()
+            self.page_refs[p] = 1
 
+    def fork(self, seq: Sequence) -> Sequence:
+        """A new sequence holding the same tokens: the pages are shared (copied on write, see
+        reserve); the per-sequence f16 sink rows, KIVI ring and key smoothing are copied."""
+        new = Sequence(seq.page_table.copy(), seq.n_tokens,
+                       {k: v.copy() for k, v in seq.residual.items()}, {k: v.copy() for k, v in seq.sink.items()},
+                       seq.k_shift.copy(), seq.k_scale.copy())
+        held = seq.page_table[seq.page_table >= 0]
+        self.page_refs[held] += 1
+        return new
+
+    def can_truncate(self, seq: Sequence, n: int) -> bool:
+        """Whether truncate(seq, n) keeps the cache exact. KIVI pages that left the f16 ring are
+        quantized and their f16 rows gone, so a KIVI sequence can only be cut back within its ring
+        (or to 0)."""
+        if not 0 <= n <= seq.n_tokens:
+            return False
+        return n == 0 or all(self.n_quantized(f, n) == self.n_quantized(f, seq.n_tokens)
+                             for l in self.layers for f in (l.k_fmt, l.v_fmt) if f.kind == "kivi")
+
+    def truncate(self, seq: Sequence, n: int) -> None:
+        """Cut the sequence back to its first n tokens; pages past them go back to the pool."""
+        if not self.can_truncate(seq, n):
+            raise PykvError(f"cannot cut a sequence of {seq.n_tokens} tokens back to {n} exactly")
+        self._drop_pages(seq, math.ceil(n / self.P))
+        seq.n_tokens = n
+
+    def n_pages_held(self, seq: Sequence) -> int:
+        return int((seq.page_table >= 0).sum())
+
+    # ---- sequence state as arrays (Session.save / Session.load) -------------------------
+    def _stored_pages(self, fmt, n_tokens: int) -> int:
+        """Pages of one pool that hold a sequence's data: KIVI's newest pages are not written yet."""
+        return math.ceil(self.n_quantized(fmt, n_tokens) / self.P)
+
+    def export_seq(self, seq: Sequence) -> dict:
+        """The sequence's cache as stored: name -> numpy array. Per layer li and K/V: the pages with
+        data  uint8 (KVH, n_pages, page_bytes), the f16 sink rows and KIVI ring; then the key
+        smoothing (k_shift, k_scale)."""
+        out = {}
+        for li, l in enumerate(self.layers):
+            for name, fmt, pool in (("k", l.k_fmt, l.k_pool), ("v", l.v_fmt, l.v_pool)):
+                out[f"{li}.{name}.pages"] = pool[:, seq.page_table[:self._stored_pages(fmt, seq.n_tokens)]]
+                if (li, name) in seq.sink:
+                    out[f"{li}.{name}.sink"] = seq.sink[(li, name)]
+                if (li, name) in seq.residual:
+                    out[f"{li}.{name}.ring"] = seq.residual[(li, name)]
+        out["k_shift"], out["k_scale"] = seq.k_shift, seq.k_scale
+        return out
+
+    def import_seq(self, seq: Sequence, n_tokens: int, arrays: dict) -> None:
+        """Fill an empty sequence from export_seq's arrays (shapes checked: PykvError on a mismatch)."""
+        want = {}
+        for li, l in enumerate(self.layers):
+            for name, fmt, pool in (("k", l.k_fmt, l.k_pool), ("v", l.v_fmt, l.v_pool)):
+                want[f"{li}.{name}.pages"] = (pool.shape[0], self._stored_pages(fmt, n_tokens), pool.shape[2])
+                if (li, name) in seq.sink:
+                    want[f"{li}.{name}.sink"] = seq.sink[(li, name)].shape
+                if (li, name) in seq.residual:
+                    want[f"{li}.{name}.ring"] = seq.residual[(li, name)].shape
+        want["k_shift"] = want["k_scale"] = seq.k_shift.shape
+        if set(arrays) != set(want):
+            raise PykvError("state does not match this cache's layout")
+        for k, shape in want.items():
+            if tuple(arrays[k].shape) != tuple(shape):
+                raise PykvError(f"state array {k} has shape {tuple(arrays[k].shape)}, this cache needs {shape}")
+        self.free_sequence(seq)
+        self.reserve(seq, n_tokens)
+        for li, l in enumerate(self.layers):
+            for name, pool in (("k", l.k_pool), ("v", l.v_pool)):
+                pages = arrays[f"{li}.{name}.pages"]
+                pool[:, seq.page_table[:pages.shape[1]]] = pages
+                for part, d in (("sink", seq.sink), ("ring", seq.residual)):
+                    if (li, name) in d:
+                        d[(li, name)][...] = arrays[f"{li}.{name}.{part}"]
+        seq.k_shift[...] = arrays["k_shift"]
+        seq.k_scale[...] = arrays["k_scale"]
+        seq.n_tokens = n_tokens
     # ---- append / read -----------------------------------------------------------------
     def append(self, li: int, seq: Sequence, k: np.ndarray, v: np.ndarray) -> None:
         """Quantize k, v (T, KVH, HD) f32 for positions seq.n_tokens .. + T into layer li.

@@ -111,12 +111,13 @@ class RunState:
 class Model:
     def __init__(self, path=None, *, n_ctx: int = 2048, kv_type_k="f16", kv_type_v="f16", threads=None,
                  kv_rotate=None, page_tokens: int = 32, n_batch: int = 256, kv_budget=None, kv_smooth=True,
-                 q8_act: bool = True):
+                 q8_act: bool = True, max_seqs: int = 1):
         """q8_act: activations quantized to 8-bit blocks for integer-dot weight kernels (llama.cpp's
         scheme; the fast path where the CPU has AVX-512 VNNI). False: float activations, slower but
         free of q8 rounding flips, which make two runs whose inputs differ by float rounding drift
         apart (f32 vs f16 KV cache: KL 0.0044 with q8 activations, 0.00000 without); `pykv perplexity`
-        uses False to measure KV formats."""
+        uses False to measure KV formats. max_seqs: the KV pool holds that many full contexts (shared by
+        model.generate and every Session) unless kv_budget sets its size in bytes."""
         if path is None or not os.path.exists(path):   # the default model or a registry name
             from .models import ModelFetchError, resolve_model
             try:
@@ -136,7 +137,8 @@ class Model:
         self.q8_act = bool(q8_act)
         self.weights = Weights.load(self.gguf, cfg, self.q8_act)
         self.tokenizer = Tokenizer.from_metadata(self.gguf.metadata)
-        self._kv_opts = {"page_tokens": page_tokens, "kv_budget": kv_budget, "k_smooth": kv_smooth}
+        self._kv_opts = {"page_tokens": page_tokens, "kv_budget": kv_budget, "k_smooth": kv_smooth,
+                         "max_seqs": max_seqs}
         self.n_batch = int(n_batch)
         self.max_chunks = 8 * numba.config.NUMBA_NUM_THREADS + 2
         self.state = RunState(cfg, self.n_batch, self.max_chunks)
@@ -282,6 +284,62 @@ class Model:
         from .generate import generate
         return generate(self, prompt, max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                         min_p=min_p, repeat_penalty=repeat_penalty, seed=seed, stop=stop)
+
+
+    # ---- library API: sessions, chat, completions (pykv/session.py, pykv/chat.py) ---------------
+    def session(self):
+        """A new Session: one sequence in this model's shared KV page pool that keeps its cache
+        between calls (prefix reuse, fork, save/load). Close it (or let it be collected) to free its pages."""
+        from .session import Session
+        return Session(self)
+
+    def _default_session(self):
+        """The session behind Model.chat / create_completion / create_chat_completion: consecutive calls
+        that share a prefix (a growing conversation) run only the new tokens, as in llama-cpp-python."""
+        s = getattr(self, "_session", None)
+        if s is None or s.cache is not self.cache:
+            s = self._session = self.session()
+        return s
+
+    @property
+    def chat_template(self) -> str:
+        """The GGUF's tokenizer.chat_template, or pykv.chat.CHATML_TEMPLATE when the file has none."""
+        from .chat import CHATML_TEMPLATE
+        t = self.gguf.metadata.get("tokenizer.chat_template")
+        return t if isinstance(t, str) and t.strip() else CHATML_TEMPLATE
+
+    def apply_chat_template(self, messages, add_generation_prompt: bool = True, tools=None, **kwargs) -> str:
+        """Render `messages` ([{"role": ..., "content": ...}, ...]) with the model's chat template, as
+        transformers' apply_chat_template(..., tokenize=False) renders it (sandboxed Jinja2; bos_token,
+        eos_token, raise_exception and `tools` available to the template)."""
+        from .chat import render, special_tokens
+        return render(self.chat_template, messages, add_generation_prompt, tools,
+                      special_tokens(self.tokenizer, self.gguf.metadata), **kwargs)
+
+    def chat(self, messages, **sampling):
+        """Stream the assistant's reply to `messages` (text pieces). Takes Session.chat's arguments:
+        max_tokens (None: up to the context size), temperature, top_k, top_p, min_p, repeat_penalty,
+        seed, stop, tools, drop_oldest."""
+        return self._default_session().chat(messages, **sampling)
+
+    def create_completion(self, prompt, **kw):
+        """An OpenAI-shaped text completion dict (or, with stream=True, an iterator of chunks), as
+        llama-cpp-python's Llama.create_completion; see Session.create_completion for the arguments."""
+        return self._default_session().create_completion(prompt, **kw)
+
+    def create_chat_completion(self, messages, **kw):
+        """An OpenAI-shaped chat completion dict (or, with stream=True, an iterator of chunks), as
+        llama-cpp-python's Llama.create_chat_completion; see Session.create_chat_completion."""
+        return self._default_session().create_chat_completion(messages, **kw)
+
+    def fingerprint(self) -> str:
+        """sha256 (hex) of the GGUF's metadata and tensor table: a state file records it, and only the
+        same model loads it."""
+        fp = getattr(self, "_fingerprint", None)
+        if fp is None:
+            from .session import gguf_fingerprint
+            fp = self._fingerprint = gguf_fingerprint(self.gguf)
+        return fp
 
 
 def load(path=None, *, n_ctx: int = 2048, kv_type_k="f16", kv_type_v="f16", threads=None, **kw) -> Model:
