@@ -167,18 +167,19 @@ CHAT_HELP = """commands: /reset (forget the conversation), /save FILE, /load FIL
 
 
 def _line_reader():
-    """input(prompt) with line editing and history: prompt_toolkit on a terminal, else readline."""
+    """input(prompt) with line editing and history: readline (the standard library's) where it
+    exists, else prompt_toolkit on a terminal, else plain input()."""
+    try:
+        import readline  # noqa: F401  (input() gets line editing and history)
+        return input
+    except ImportError:
+        pass
     if sys.stdin.isatty() and sys.stdout.isatty():
         try:
             from prompt_toolkit import PromptSession
             from prompt_toolkit.history import InMemoryHistory
-            ps = PromptSession(history=InMemoryHistory())
-            return ps.prompt
+            return PromptSession(history=InMemoryHistory()).prompt
         except Exception:   # not installed, or no usable terminal
-            pass
-        try:
-            import readline  # noqa: F401  (gives input() editing and history)
-        except ImportError:
             pass
     return input
 
@@ -279,6 +280,7 @@ def repl(model, session, system, sampling, read=None, out=None) -> None:
 
 
 def cmd_chat(args) -> int:
+    """`pykv chat`: load the model (a pool of two contexts: the chat and a /load), run the loop."""
     from .cli import load_from_args
     from .session import Session
     model = load_from_args(args, args.model, max_seqs=2)
@@ -292,6 +294,7 @@ def cmd_chat(args) -> int:
 
 
 def register_cli(sub) -> None:
+    """Add the `chat` subcommand to pykv's argument parser."""
     from .cli import _model_args, _sampling_args
     p = sub.add_parser("chat", help="interactive chat with streaming replies (/help inside)")
     p.add_argument("model", nargs="?", default=None, metavar="MODEL", help="GGUF path or registry name")

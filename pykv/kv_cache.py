@@ -219,6 +219,7 @@ class KVCache:
         seq.n_tokens = n
 
     def n_pages_held(self, seq: Sequence) -> int:
+        """Pages in the sequence's page table (shared ones included)."""
         return int((seq.page_table >= 0).sum())
 
     # ---- sequence state as arrays (Session.save / Session.load) -------------------------

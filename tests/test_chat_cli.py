@@ -47,8 +47,7 @@ class Terminal:
             plain = ANSI.sub(b"", self.buf)
             i = plain.find(pattern)
             if i >= 0:
-                # consume through the pattern in the raw buffer too
-                self.buf = b""
+                self.buf = plain[i + len(pattern):]
                 return plain[:i].decode("utf-8", "replace"), reads
             if time.time() > end:
                 raise AssertionError(f"timed out waiting for {pattern!r}; got {plain[-800:]!r}")

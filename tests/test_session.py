@@ -26,7 +26,7 @@ def lm(smollm2_path):
 
 @pytest.fixture(scope="module")
 def long_ids(lm, eval_text):
-    return lm.tokenize(eval_text)[:700]
+    return lm.tokenize(eval_text)[:512]
 
 
 def test_second_chat_turn_prefills_only_new_tokens(lm):
@@ -48,7 +48,7 @@ def test_second_chat_turn_prefills_only_new_tokens(lm):
     assert st["prompt_tokens"] == len(ids2)
     assert st["cached_tokens"] == n_cached         # the whole first turn came from the cache
     assert st["prefill_tokens"] == len(ids2) - n_cached == s.n_prefilled - before
-    assert st["prefill_tokens"] < 20 < first        # only the new turn ran
+    assert st["prefill_tokens"] < len(ids2) // 2    # only the new turn ran
     # the model-level API keeps its own session the same way (llama-cpp-python's prefix reuse)
     r = lm.create_chat_completion(msgs, max_tokens=4, **GREEDY)
     r = lm.create_chat_completion(msgs, max_tokens=4, **GREEDY)
@@ -60,7 +60,7 @@ def test_second_chat_turn_prefills_only_new_tokens(lm):
 def test_divergent_prompt_cuts_back_to_common_prefix(lm):
     lm.set_kv_types("q8_0", "q8_0")
     s = lm.session()
-    a = lm.tokenize("The quick brown fox jumps over the lazy dog. " * 6)
+    a = lm.tokenize("The quick brown fox jumps over the lazy dog. " * 10)
     b = a[:40] + lm.tokenize(" Then it went home.")
     s.create_completion(a, max_tokens=2, **GREEDY)
     free = len(lm.cache.free_pages)
@@ -187,17 +187,16 @@ def test_stop_conditions_and_full_context(lm):
     text = base["choices"][0]["text"]
     assert base["choices"][0]["finish_reason"] == "length" and base["usage"]["completion_tokens"] == 10
     # a stop string that spans two tokens: the stream ends before it, finish reason "stop"
-    s = lm._default_session()
     n_prompt = len(lm.tokenize(prompt))
-    pieces = [lm.detokenize([t]) for t in s.tokens[n_prompt:n_prompt + 10]]
+    pieces = [lm.detokenize([t]) for t in lm._default_session().tokens[n_prompt:n_prompt + 10]]
     assert "".join(pieces) == text
     cut = len(pieces[0]) + len(pieces[1])
     stop = text[cut - 2:cut + 2]
-    assert len(stop) == 4 and stop not in text[:cut - 2] + text[cut - 2:cut + 1]
-    r = lm.create_completion(prompt, max_tokens=10, stop=[stop], **GREEDY)
-    assert r["choices"][0]["text"] == text[:text.index(stop)] and r["choices"][0]["finish_reason"] == "stop"
-    chunks = list(lm.create_completion(prompt, max_tokens=10, stop=stop, stream=True, **GREEDY))
-    assert "".join(c["choices"][0]["text"] for c in chunks) == text[:text.index(stop)]
+    assert text.index(stop) == cut - 2              # its first occurrence straddles tokens 2 and 3
+    r = lm.session().create_completion(prompt, max_tokens=10, stop=[stop], **GREEDY)
+    assert r["choices"][0]["text"] == text[:cut - 2] and r["choices"][0]["finish_reason"] == "stop"
+    chunks = list(lm.session().create_completion(prompt, max_tokens=10, stop=stop, stream=True, **GREEDY))
+    assert "".join(c["choices"][0]["text"] for c in chunks) == text[:cut - 2]
     assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
     # the end-of-turn token from the metadata ends a chat reply
     r = lm.create_chat_completion([{"role": "user", "content": "Say hi."}], max_tokens=64, **GREEDY)
@@ -206,16 +205,16 @@ def test_stop_conditions_and_full_context(lm):
     # a full context raises before anything runs; chat can drop its oldest turns instead
     with pytest.raises(pykv.PykvError, match="context full"):
         lm.create_completion("word " * 1000, max_tokens=100)
-    long = [{"role": "user", "content": "word " * 400}, {"role": "assistant", "content": "ok " * 300},
+    long = [{"role": "user", "content": "word " * 600}, {"role": "assistant", "content": "ok " * 400},
             {"role": "user", "content": "Say hi."}]
-    with pytest.raises(pykv.PykvError, match="drop_oldest"):
+    with pytest.raises(pykv.PykvError, match="context full.*drop_oldest"):
         lm.create_chat_completion(long, max_tokens=64)
     r = lm.create_chat_completion(long, max_tokens=4, drop_oldest=True, **GREEDY)
     assert r["usage"]["prompt_tokens"] < 100
     assert lm._default_session().messages[-2] == long[-1]
 
 
-def test_fallback_template_and_continue_empty(tmp_path):
+def test_fallback_template(tmp_path):
     path = tmp_path / "tiny.gguf"
     write_tiny_gguf(path, {"default": T.F32})
     m = pykv.load(str(path), n_ctx=64)
@@ -223,12 +222,22 @@ def test_fallback_template_and_continue_empty(tmp_path):
     msgs = [{"role": "user", "content": "hi"}]
     assert m.apply_chat_template(msgs) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     s = m.session()
+    assert "<|im_end|>" in s._chat_stops(None)
+    list(s.chat(msgs, max_tokens=2, **GREEDY))
+    assert s.stats["prompt_tokens"] == len(m.tokenizer.encode(m.apply_chat_template(msgs), add_special=False))
+
+
+def test_empty_prompt_continues(lm):
+    lm.set_kv_types("f16", "f16")
+    s, t = lm.session(), lm.session()
     with pytest.raises(pykv.PykvError, match="empty prompt"):
         s.generate("")
-    a = "".join(s.generate("the", max_tokens=4, **GREEDY))
+    a = "".join(s.generate("The capital of France is", max_tokens=4, **GREEDY))
     b = "".join(s.generate("", max_tokens=4, **GREEDY))
-    t = m.session()
-    ab = "".join(t.generate("the", max_tokens=8, **GREEDY))
+    assert s.stats["prefill_tokens"] == 1 and s.stats["cached_tokens"] == s.stats["prompt_tokens"] - 1
+    ab = "".join(t.generate("The capital of France is", max_tokens=8, **GREEDY))
     assert a + b == ab and s.tokens == t.tokens
     with pytest.raises(pykv.PykvError, match="context full"):
-        s.generate("", max_tokens=64)
+        s.generate("", max_tokens=lm.n_ctx)
+    s.close()
+    t.close()
