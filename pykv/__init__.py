@@ -2,7 +2,6 @@
 __version__ = "0.1.0"
 
 from .config import Config, PykvError  # noqa: E402
-from .session import Session  # noqa: E402
 
 
 def load(path=None, *, n_ctx=2048, kv_type_k="f16", kv_type_v="f16", threads=None, **kw):
@@ -10,6 +9,13 @@ def load(path=None, *, n_ctx=2048, kv_type_k="f16", kv_type_v="f16", threads=Non
     Keywords of pykv.model.Model: kv_rotate, page_tokens, n_batch, kv_budget, kv_smooth, q8_act, max_seqs."""
     from .model import load as _load
     return _load(path, n_ctx=n_ctx, kv_type_k=kv_type_k, kv_type_v=kv_type_v, threads=threads, **kw)
+
+
+def __getattr__(name):
+    if name == "Session":           # pykv.Session, imported on first use (keeps `import pykv` light)
+        from .session import Session
+        return Session
+    raise AttributeError(f"module 'pykv' has no attribute {name!r}")
 
 
 __all__ = ["load", "Config", "PykvError", "Session", "__version__"]

@@ -32,6 +32,7 @@ def stop_list(stop) -> list[str]:
 
 
 def make_sampler(model, temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, repeat_penalty=1.0, seed=None):
+    """A Sampler for the model's vocabulary (temperature <= 0: greedy)."""
     return Sampler(SamplerParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                                  repeat_penalty=repeat_penalty, seed=seed), model.n_vocab)
 
