@@ -229,6 +229,7 @@ def repl(model, session, system, sampling, read=None, out=None) -> None:
             out.write("\n")
             return
         except KeyboardInterrupt:     # Ctrl-C at the prompt clears the line
+            out.write("\n")
             continue
         text = line.strip()
         if not text:
