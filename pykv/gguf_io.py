@@ -134,7 +134,7 @@ def _parse(path: str):
     if not isinstance(align, int) or align <= 0 or align & (align - 1):
         raise _Corrupt(f"bad general.alignment {align!r}")
     start = -(-h.off // align) * align
-    return meta, [(n, gt, sh, start + off, nb) for n, gt, sh, off, nb in infos], mm
+    return meta, [(n, gt, sh, start + off, nb) for n, gt, sh, off, nb in infos], mm, start, align
 
 
 class GGUFFile:
@@ -147,7 +147,7 @@ class GGUFFile:
         if os.path.isdir(path):
             raise PykvError(f"model path is a directory, not a GGUF file: {path}")
         try:
-            self.metadata, infos, mm = _parse(path)
+            self.metadata, infos, mm, start, align = _parse(path)
         except _NotGGUF as e:
             raise PykvError(f"not a GGUF file ({e}): {path}") from None
         except _Corrupt as e:
@@ -157,9 +157,14 @@ class GGUFFile:
         self.path = path
         self.file_size = len(mm)
         self.tensors: dict[str, TensorInfo] = {}
+        expect = start           # llama.cpp's rule: tensor data in table order, each padded to the alignment
         for name, gt, shape, off, nbytes in infos:
             if name in self.tensors:
                 raise PykvError(f"corrupt GGUF file {path}: duplicate tensor {name}")
+            if off != expect:
+                raise PykvError(f"corrupt GGUF file {path}: tensor {name} has data offset {off - start}, "
+                                f"expected {expect - start}")
+            expect += -(-nbytes // align) * align
             if off + nbytes > self.file_size:
                 raise PykvError(f"truncated GGUF file {path}: tensor {name} data lies outside the file")
             dims = tuple(reversed(shape))
@@ -185,6 +190,8 @@ class GGUFFile:
 
 
 def open_model(path) -> tuple[GGUFFile, Config]:
+    """Open and validate a model file (pykv.validate: metadata, tokenizer tables, tensors) before any
+    kernel sees it."""
+    from .validate import validate
     gf = GGUFFile(path)
-    cfg = Config.from_metadata(gf.metadata)
-    return gf, cfg
+    return gf, validate(gf)

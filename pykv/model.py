@@ -250,6 +250,14 @@ class Model:
         if seq.n_tokens + len(ids) > self.n_ctx:
             raise PykvError(f"{seq.n_tokens + len(ids)} tokens exceed the context size {self.n_ctx} (use -c)")
         out = np.zeros((len(ids) if all_logits else 1, self.n_vocab), np.float32)
+        try:
+            self._eval_batches(seq, ids, all_logits, progress, out)
+        except ZeroDivisionError:     # a Numba kernel divided by a sum of NaN/inf activations
+            raise PykvError(f"{self.path}: the forward pass overflowed to inf/NaN (weights too large "
+                            "for float32 activations)") from None
+        return out
+
+    def _eval_batches(self, seq: Sequence, ids: np.ndarray, all_logits: bool, progress, out: np.ndarray) -> None:
         s = 0
         while s < len(ids):
             n = min(self.n_batch, len(ids) - s)
@@ -265,7 +273,6 @@ class Model:
             s += n
             if progress is not None:
                 progress(s)
-        return out
 
     def new_sequence(self) -> Sequence:
         if self.seq is not None:
