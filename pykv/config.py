@@ -9,6 +9,10 @@ class PykvError(Exception):
     """An error the user caused or can fix: the CLI prints its message on one line and exits non-zero."""
 
 
+class ContextWarning(UserWarning):
+    """A context size above the model's training context: allowed, but quality may drop past it."""
+
+
 @dataclass(frozen=True)
 class Config:
     arch: str

@@ -36,6 +36,9 @@ def generate(model, prompt, max_tokens=128, temperature=0.8, top_k=40, top_p=0.9
         raise PykvError("empty prompt")
     if len(ids) >= model.n_ctx:
         raise PykvError(f"prompt is {len(ids)} tokens, longer than the context size {model.n_ctx} (use -c)")
+    if len(ids) + max_tokens > model.n_ctx:
+        raise PykvError(f"prompt ({len(ids)} tokens) + max tokens ({max_tokens}) = {len(ids) + max_tokens} exceed "
+                        f"the context size {model.n_ctx} (use a larger -c or a smaller -n)")
     stops = [s for s in ([stop] if isinstance(stop, str) else stop) if s]
     sampler = Sampler(SamplerParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                                     repeat_penalty=repeat_penalty, seed=seed), model.n_vocab)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import stat
 import struct
 from dataclasses import dataclass
 
@@ -146,6 +147,8 @@ class GGUFFile:
             raise PykvError(f"model file not found: {path}")
         if os.path.isdir(path):
             raise PykvError(f"model path is a directory, not a GGUF file: {path}")
+        if not stat.S_ISREG(os.stat(path).st_mode):      # a FIFO would block, a device never ends
+            raise PykvError(f"model path is not a regular file: {path}")
         try:
             self.metadata, infos, mm, start, align = _parse(path)
         except _NotGGUF as e:

@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass
 
 import numba
 import numpy as np
 from gguf import GGMLQuantizationType as GT
 
-from .config import Config, PykvError
+from .config import Config, ContextWarning, PykvError
 from .gguf_io import WEIGHT_TYPES, GGUFFile, open_model
 from .kernels import matmul as mm
 from .kernels.ops import (add_inplace, add_rmsnorm_act, attn_out_act, qkv_prep, rmsnorm, rmsnorm_act, rope,
@@ -123,9 +124,9 @@ class Model:
                 path = resolve_model(None if path is None else os.fspath(path))
             except ModelFetchError as e:
                 raise PykvError(str(e)) from None
-        if threads:
+        if threads is not None:
             if threads < 1:
-                raise PykvError("threads must be >= 1")
+                raise PykvError(f"threads must be >= 1, got {threads}")
             numba.set_num_threads(min(int(threads), numba.config.NUMBA_NUM_THREADS))
         self.path = os.fspath(path)
         self.gguf, self.config = open_model(self.path)
@@ -133,6 +134,9 @@ class Model:
         if n_ctx is None or n_ctx <= 0:
             n_ctx = cfg.n_ctx_train
         self.n_ctx = int(n_ctx)
+        if self.n_ctx > cfg.n_ctx_train:
+            warnings.warn(f"context size {self.n_ctx} is above the model's training context {cfg.n_ctx_train}: "
+                          "quality may drop past it", ContextWarning, stacklevel=3)
         self.q8_act = bool(q8_act)
         self.weights = Weights.load(self.gguf, cfg, self.q8_act)
         self.tokenizer = Tokenizer.from_metadata(self.gguf.metadata)

@@ -569,7 +569,7 @@ def case_input(tgt: Target, base_seed: int, i: int) -> tuple[bytes, str]:
     return tgt.mutate(rng, seed), opt
 
 
-def fuzz(name: str, n: int, seed: int = 0, jobs: int = 2, timeout: float = 20.0, save: Path | None = SAVE_DIR,
+def fuzz(name: str, n: int, seed: int = 0, jobs: int = 2, timeout: float = 60.0, save: Path | None = SAVE_DIR,
          verbose: bool = True) -> dict:
     """Run n cases of target `name`; returns the counts and the failures."""
     if name not in TARGETS:
@@ -637,7 +637,7 @@ def fuzz(name: str, n: int, seed: int = 0, jobs: int = 2, timeout: float = 20.0,
                         pr.conn.send(inputs[i])
                     else:
                         continue
-                    pr.deadline = time.monotonic() + timeout
+                    pr.deadline = time.monotonic() + (START_TIMEOUT if pr.case == -1 else timeout)
             busy = [pr for pr in procs if pr.case is not None or not pr.ready]
             if not busy:
                 break
@@ -712,7 +712,7 @@ def main(argv=None) -> int:
     ap.add_argument("--n", type=int, default=1000, help="cases (default 1000)")
     ap.add_argument("--seed", type=int, default=0, help="base seed: case i is a function of (seed, i)")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="worker processes")
-    ap.add_argument("--timeout", type=float, default=20.0, help="seconds per case before it counts as a hang")
+    ap.add_argument("--timeout", type=float, default=60.0, help="seconds per case before it counts as a hang")
     ap.add_argument("--save", default=str(SAVE_DIR), help="folder for failing inputs ('' = keep none)")
     ap.add_argument("--replay", help="run one case number or input file in this process and print the outcome")
     a = ap.parse_args(argv)
