@@ -157,9 +157,14 @@ def check_tokenizer(md: dict, path: str, n_vocab: int) -> None:
         if bad is not None:
             c.fail(what, f"bad token type {bad!r} (0..6)")
         if model == "llama":
+            seen = {}
             for i, t in enumerate(types):
-                if t == 6 and not _is_byte_token(tokens[i]):
-                    c.fail(what, f"byte token {i} is {tokens[i]!r}, expected <0xNN>")
+                if t == 6:
+                    if not _is_byte_token(tokens[i]):
+                        c.fail("metadata tokenizer.ggml.tokens", f"byte token {i} is {tokens[i]!r}, expected <0xNN>")
+                    if tokens[i] in seen:
+                        c.fail("metadata tokenizer.ggml.tokens", f"byte token {i} repeats token {seen[tokens[i]]} ({tokens[i]})")
+                    seen[tokens[i]] = i
     scores = md.get("tokenizer.ggml.scores")
     if scores is not None:
         what = "metadata tokenizer.ggml.scores"
@@ -186,7 +191,7 @@ def check_tokenizer(md: dict, path: str, n_vocab: int) -> None:
 
 def _is_byte_token(s: str) -> bool:
     return len(s) == 6 and s.startswith("<0x") and s.endswith(">") and all(
-        ch in "0123456789abcdefABCDEF" for ch in s[3:5])
+        ch in "0123456789ABCDEF" for ch in s[3:5])
 
 
 def expected_tensors(cfg: Config) -> dict[str, tuple[tuple, str]]:

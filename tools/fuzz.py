@@ -143,6 +143,8 @@ def _value_size(b: bytes, off: int, vt: int) -> int:
     if vt == GT_STR:
         return 8 + struct.unpack_from("<Q", b, off)[0]
     it, n = struct.unpack_from("<IQ", b, off)
+    if n > len(b):               # a count an earlier mutation made up: not decodable
+        raise ValueError("array count past the buffer")
     p = off + 12
     for _ in range(n):
         p += _value_size(b, p, it)
@@ -220,6 +222,8 @@ def dec(vt: int, p: bytes):
     if vt == GT_STR:
         return p[8:8 + struct.unpack_from("<Q", p)[0]]
     it, n = struct.unpack_from("<IQ", p)
+    if n > len(p):
+        raise ValueError("array count past the buffer")
     items, off = [], 12
     for _ in range(n):
         k = _value_size(p, off, it)
@@ -408,27 +412,34 @@ def gguf_mutate(rng: random.Random, seed: bytes) -> bytes:
     if r < 0.2:
         return splat(rng, seed, 0, header_end)
     for _ in range(rng.choice((1, 1, 1, 2, 3))):
-        op = rng.random()
-        if op < 0.45:
-            if rng.random() < 0.6:      # a key the runtime reads
-                wanted = [kv for kv in g.kvs if kv.key in RUNTIME_KEYS]
-                _mutate_value(rng, rng.choice(wanted or g.kvs))
-            else:
-                _mutate_value(rng, rng.choice(g.kvs))
-        elif op < 0.65:
-            _mutate_key(rng, g)
-        elif op < 0.87:
-            _mutate_tensor(rng, g)
-        elif op < 0.93:
-            _mutate_header(rng, g)
-        else:
-            _mutate_data(rng, g)
+        try:
+            _mutate_once(rng, g)
+        except (struct.error, ValueError, IndexError, OverflowError, MemoryError):
+            pass                 # an earlier mutation left bytes this one cannot decode: keep them
         if not g.kvs or not g.tis:
             break
     out = gg_write(g)
     if rng.random() < 0.05:
         out = truncate(rng, out)
     return out
+
+
+def _mutate_once(rng: random.Random, g: GG) -> None:
+    op = rng.random()
+    if op < 0.45:
+        if rng.random() < 0.6:      # a key the runtime reads
+            wanted = [kv for kv in g.kvs if kv.key in RUNTIME_KEYS]
+            _mutate_value(rng, rng.choice(wanted or g.kvs))
+        else:
+            _mutate_value(rng, rng.choice(g.kvs))
+    elif op < 0.65:
+        _mutate_key(rng, g)
+    elif op < 0.87:
+        _mutate_tensor(rng, g)
+    elif op < 0.93:
+        _mutate_header(rng, g)
+    else:
+        _mutate_data(rng, g)
 
 
 def tiny_seed(path: Path, types=None, **kw) -> bytes:
@@ -438,6 +449,24 @@ def tiny_seed(path: Path, types=None, **kw) -> bytes:
     types = types or {"default": T.Q8_0, "ffn_down": T.Q4_1, "token_embd": T.F16}
     write_tiny_gguf(path, types, dim=64, ff=128, n_heads=2, n_kv=1, n_layers=2, **kw)
     return path.read_bytes()
+
+
+def spm_seed(path: Path) -> bytes:
+    """The tiny seed with a SentencePiece ("llama") vocabulary of the same size: <unk> <s> </s>, the
+    256 <0xNN> byte tokens, three pieces."""
+    g = gg_parse(tiny_seed(path, seed=2))
+    toks = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + ["\u2581t", "\u2581th", "\u2581the"]
+    types = [2, 3, 3] + [6] * 256 + [1, 1, 1]
+    scores = [0.0] * 259 + [-1.0, -2.0, -3.0]
+    new = {b"tokenizer.ggml.model": (GT_STR, "llama"), b"tokenizer.ggml.tokens": (GT_ARR, (GT_STR, toks)),
+           b"tokenizer.ggml.token_type": (GT_ARR, (GT_I32, types)),
+           b"tokenizer.ggml.scores": (GT_ARR, (GT_F32, scores)), b"tokenizer.ggml.bos_token_id": (GT_U32, 1),
+           b"tokenizer.ggml.eos_token_id": (GT_U32, 2), b"tokenizer.ggml.unknown_token_id": (GT_U32, 0)}
+    g.kvs = [kv for kv in g.kvs if kv.key not in new and kv.key not in (b"tokenizer.ggml.merges", b"tokenizer.ggml.pre")]
+    g.kvs += [KV(k, t, enc(t, v)) for k, (t, v) in new.items()]
+    out = gg_write(g)
+    path.write_bytes(out)
+    return out
 
 
 def gguf_run(path: str, kv: str = "f16") -> None:
@@ -462,42 +491,96 @@ def gguf_warm(workdir: Path) -> None:
 
 @target("gguf")
 def gguf_target(workdir: Path) -> Target:
-    seeds = [tiny_seed(workdir / "seed.gguf"), tiny_seed(workdir / "seed_untied.gguf", tied=False, seed=1)]
+    seeds = [tiny_seed(workdir / "seed.gguf"), tiny_seed(workdir / "seed_untied.gguf", tied=False, seed=1),
+             spm_seed(workdir / "seed_spm.gguf")]
     return Target(seeds, gguf_mutate, gguf_run, ".gguf", ("f16", "f16", "f16", "q4_0"), gguf_warm)
 
 
 @target("state")
 def state_target(workdir: Path) -> Target:
-    """Session state files, against pykv.session's planned API: Session(model).save(path) /
-    Session.load(model, path)."""
+    """Session state files, against pykv.session's API: Session(model) ... .save(path) and
+    Session.load(model, path). Mutations: bytes (flips, truncation) and, where the module names its
+    layout (_PREFIX, _CRC), the JSON header's fields with the checksums made right again, so a case
+    gets past the checksum to the code that believes the header."""
     import importlib.util
     if importlib.util.find_spec("pykv.session") is None:
         raise Skip("pykv.session does not exist yet (the library issue adds Session.save / Session.load)")
     import pykv
-    from pykv.session import Session
+    from pykv import session as S
     mpath = workdir / "model.gguf"
-    tiny_seed(mpath)
-    model = pykv.load(str(mpath), n_ctx=64)
-    sess = Session(model)
-    sess.eval(model.tokenize("Hello world, the cat sat"))
-    sp = workdir / "seed.state"
-    sess.save(str(sp))
+    if not mpath.exists():
+        tiny_seed(mpath)
     holder = {}
 
+    def model():
+        if "m" not in holder:         # once per process
+            holder["m"] = pykv.load(str(mpath), n_ctx=64)
+        return holder["m"]
+
+    sp = workdir / "seed.state"
+    if not sp.exists():
+        sess = S.Session(model())
+        "".join(sess.generate("Hello world, the cat sat", max_tokens=4, temperature=0))
+        sess.save(str(sp))
+
     def run(path: str, _opt=None) -> None:
-        if "model" not in holder:      # once per worker
-            holder["model"] = pykv.load(str(mpath), n_ctx=64)
-        s = Session.load(holder["model"], path)
-        s.eval([1, 2, 3])
+        s = S.Session.load(model(), path)
+        "".join(s.generate(" and", max_tokens=2, temperature=0))
+        s.close()
 
     def mutate(rng, seed):
         r = rng.random()
-        if r < 0.3:
+        if r < 0.5 and hasattr(S, "_PREFIX") and hasattr(S, "_CRC"):
+            try:
+                return _state_header_mutate(rng, seed, S._PREFIX, S._CRC)
+            except (ValueError, KeyError, TypeError, IndexError, struct.error):
+                pass
+        if r < 0.65:
             return truncate(rng, seed)
-        if r < 0.7:
+        if r < 0.9:
             return flip_bits(rng, seed, 0, min(len(seed), 4096) if rng.random() < 0.7 else None)
         return splat(rng, seed, 0, min(len(seed), 4096))
     return Target([sp.read_bytes()], mutate, run, ".state")
+
+
+def _state_header_mutate(rng: random.Random, b: bytes, prefix, crc) -> bytes:
+    import json
+    import zlib
+
+    import numpy as np
+    magic, version, hlen = prefix.unpack_from(b)
+    end = prefix.size + hlen
+    h = json.loads(b[prefix.size:end])
+    body = b[end + crc.size:]
+    odd = [0, -1, 1, 2 ** 31, 2 ** 62, 10 ** 30, 1.5, math.nan, "x", None, [], {}, True]
+    key = rng.choice(sorted(h))
+    r = rng.random()
+    if key == "arrays" and h["arrays"] and r < 0.7:
+        a = rng.choice(h["arrays"])
+        j = rng.randrange(len(a))
+        if j == 2 and a[2] and rng.random() < 0.7:          # one dimension of the shape
+            a[2][rng.randrange(len(a[2]))] = rng.choice([0, 1, 2 ** 31, 2 ** 40, -1, a[2][0] + 1])
+        else:
+            a[j] = rng.choice(odd + ["<f8", "|u1", "<i8", "O", "<U4", "V0"])
+        if rng.random() < 0.5:        # the array checksums made right too (offsets from the new table)
+            off, fixed = 0, []
+            for name, dt, shape, c in h["arrays"]:
+                try:
+                    nb = int(np.dtype(dt).itemsize * int(np.prod(shape)))
+                except Exception:  # noqa: BLE001
+                    nb = 0
+                fixed.append([name, dt, shape, zlib.crc32(body[off:off + max(nb, 0)])])
+                off += max(nb, 0)
+            h["arrays"] = fixed
+    elif r < 0.85:
+        h[key] = rng.choice(odd)
+    else:
+        del h[key]
+    if rng.random() < 0.1:
+        version = rng.choice([0, 2, 2 ** 32 - 1])
+    hb = json.dumps(h).encode()
+    head = prefix.pack(magic, version, len(hb)) + hb
+    return head + crc.pack(zlib.crc32(head)) + body
 
 
 @target("http")
@@ -538,6 +621,7 @@ def _worker(conn, name: str, workdir: str) -> None:
         tracemalloc.reset_peak()
         base = tracemalloc.get_traced_memory()[0]
         status, detail = _classify(tgt.run, case_path, kv)
+        detail = detail.replace(case_path, "FILE")
         peak = tracemalloc.get_traced_memory()[1] - base
         conn.send((status, detail, peak))
 
@@ -607,7 +691,8 @@ def fuzz(name: str, n: int, seed: int = 0, jobs: int = 2, timeout: float = 60.0,
                 status, detail = "alloc", f"peak {peak} bytes traced for a {len(data)}-byte input (limit {limit})"
             counts[status] += 1
             if status == "clean":
-                messages[detail.split(":")[-1].strip()[:60]] = messages.get(detail.split(":")[-1].strip()[:60], 0) + 1
+                key = detail[:70]
+                messages[key] = messages.get(key, 0) + 1
             if status in ("crash", "hang", "foreign", "alloc"):
                 f = {"case": i, "kind": status, "detail": detail, "kv": kv}
                 if save is not None:
@@ -695,9 +780,13 @@ def fuzz(name: str, n: int, seed: int = 0, jobs: int = 2, timeout: float = 60.0,
 
 
 def replay(name: str, path: str | None, case: int | None, seed: int = 0) -> tuple[str, str]:
-    """Run one input (a file, or case i of a run) in this process: (status, detail)."""
+    """Run one input (a file, or case i of a run) in this process: (status, detail); ("skipped", why)
+    when the target cannot run here."""
     with tempfile.TemporaryDirectory() as wd:
-        tgt = TARGETS[name](Path(wd))
+        try:
+            tgt = TARGETS[name](Path(wd))
+        except Skip as e:
+            return "skipped", str(e)
         opt = tgt.options[0]
         if case is not None:
             data, opt = case_input(tgt, seed, case)
