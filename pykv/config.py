@@ -9,6 +9,11 @@ class PykvError(Exception):
     """An error the user caused or can fix: the CLI prints its message on one line and exits non-zero."""
 
 
+class ModelFileError(PykvError):
+    """A model file whose bytes or content are corrupt, inconsistent or out of range (one line: the file,
+    the key or tensor, what was wrong)."""
+
+
 class ContextWarning(UserWarning):
     """A context size above the model's training context: allowed, but quality may drop past it."""
 

@@ -11,7 +11,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as T
 from gguf.constants import GGML_QUANT_SIZES
 
-from .config import Config, PykvError
+from .config import Config, ModelFileError, PykvError
 
 # Weight types the matmul kernels execute.
 WEIGHT_TYPES = {T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K}
@@ -152,9 +152,9 @@ class GGUFFile:
         try:
             self.metadata, infos, mm, start, align = _parse(path)
         except _NotGGUF as e:
-            raise PykvError(f"not a GGUF file ({e}): {path}") from None
+            raise ModelFileError(f"not a GGUF file ({e}): {path}") from None
         except _Corrupt as e:
-            raise PykvError(f"corrupt or truncated GGUF file {path}: {e}") from None
+            raise ModelFileError(f"corrupt or truncated GGUF file {path}: {e}") from None
         except OSError as e:
             raise PykvError(f"cannot read {path}: {e.strerror}") from None
         self.path = path
@@ -163,13 +163,13 @@ class GGUFFile:
         expect = start           # llama.cpp's rule: tensor data in table order, each padded to the alignment
         for name, gt, shape, off, nbytes in infos:
             if name in self.tensors:
-                raise PykvError(f"corrupt GGUF file {path}: duplicate tensor {name}")
+                raise ModelFileError(f"corrupt GGUF file {path}: duplicate tensor {name}")
             if off != expect:
-                raise PykvError(f"corrupt GGUF file {path}: tensor {name} has data offset {off - start}, "
+                raise ModelFileError(f"corrupt GGUF file {path}: tensor {name} has data offset {off - start}, "
                                 f"expected {expect - start}")
             expect += -(-nbytes // align) * align
             if off + nbytes > self.file_size:
-                raise PykvError(f"truncated GGUF file {path}: tensor {name} data lies outside the file")
+                raise ModelFileError(f"truncated GGUF file {path}: tensor {name} data lies outside the file")
             dims = tuple(reversed(shape))
             if gt in _ITEM_NP:
                 data = np.frombuffer(mm, _ITEM_NP[gt], nbytes // GGML_QUANT_SIZES[gt][1], off).reshape(dims)

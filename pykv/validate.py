@@ -12,17 +12,13 @@ import math
 from gguf import GGMLQuantizationType as T
 from gguf.constants import GGML_QUANT_SIZES
 
-from .config import Config, PykvError
+from .config import Config, ModelFileError, PykvError
 
 # llama.cpp's token types: 0 undefined, 1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte
 TOKEN_TYPES = range(0, 7)
 SPECIAL_IDS = ("bos", "eos", "unknown", "eot", "eom")          # tokenizer.ggml.<name>_token_id the tokenizer reads
 LAYER_MATS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 LAYER_NORMS = ("attn_norm", "ffn_norm")
-
-
-class ModelFileError(PykvError):
-    """A model file whose content is inconsistent or out of range (one line: file, key or tensor, what)."""
 
 
 # ---- value kinds ---------------------------------------------------------------------------------------
