@@ -14,11 +14,11 @@ N_CI = int(os.environ.get("PYKV_FUZZ_N", "2000"))    # tools/fuzz.py --n 10000 i
 
 
 def _fuzz_module():
-    spec = importlib.util.spec_from_file_location("fuzz", ROOT / "tools" / "fuzz.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["fuzz"] = mod            # the worker processes (spawn) import it by this name
-    spec.loader.exec_module(mod)
-    return mod
+    """tools/fuzz.py, imported as `fuzz` from tools/ on sys.path (the workers it spawns import it so)."""
+    tools = str(ROOT / "tools")
+    if tools not in sys.path:
+        sys.path.insert(0, tools)
+    return importlib.import_module("fuzz")
 
 
 @pytest.fixture(scope="module")

@@ -816,7 +816,7 @@ def main(argv=None) -> int:
         return 0
     print(f"fuzz {a.target}: {res['cases']} cases in {res['seconds']} s: {res['ok']} ran, {res['clean']} clean "
           f"PykvError, {res['crash']} crashes, {res['hang']} hangs, {res['foreign']} foreign exceptions, "
-          f"{res['alloc']} oversized allocations")
+          f"{res['alloc']} oversized allocations (limit: {res['alloc_base']:,} bytes + {ALLOC_PER_BYTE} per input byte)")
     for msg, k in res["top_errors"]:
         print(f"  {k:6d}  {msg}")
     return 1 if res["failures"] else 0
