@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import warnings
 
 from .config import PykvError
 
@@ -56,6 +57,8 @@ def _kv_types(s: str):
 
 def load_from_args(args, model_path, **kw):
     from .model import load
+    if args.threads is not None and args.threads < 1:
+        raise PykvError(f"-t/--threads must be >= 1, got {args.threads}")
     rot = {"on": True, "off": False, "auto": None}[args.kv_rotate]
     budget = parse_bytes(args.kv_budget) if args.kv_budget else None
     return load(model_path, n_ctx=args.ctx_size, kv_type_k=_kv_types(args.cache_type_k),
@@ -137,9 +140,20 @@ EXIT_USAGE = 2      # a user error (bad argument, file, model or budget): argpar
 EXIT_INTERRUPT = 130
 
 
+def _warn_one_line(message, category, filename, lineno, file=None, line=None) -> None:
+    print(f"pykv: warning: {message}", file=sys.stderr)
+
+
 def main(argv=None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
+    with warnings.catch_warnings():
+        warnings.simplefilter("default")            # each warning once per command
+        warnings.showwarning = _warn_one_line       # one line too, not file:line + source
+        return _run(args)
+
+
+def _run(args) -> int:
     try:
         return int(args.func(args) or 0)
     except PykvError as e:

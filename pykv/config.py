@@ -9,6 +9,15 @@ class PykvError(Exception):
     """An error the user caused or can fix: the CLI prints its message on one line and exits non-zero."""
 
 
+class ModelFileError(PykvError):
+    """A model file whose bytes or content are corrupt, inconsistent or out of range (one line: the file,
+    the key or tensor, what was wrong)."""
+
+
+class ContextWarning(UserWarning):
+    """A context size above the model's training context: allowed, but quality may drop past it."""
+
+
 @dataclass(frozen=True)
 class Config:
     arch: str
@@ -101,18 +110,30 @@ class Config:
         return cfg
 
     def validate(self) -> None:
-        for name in ("n_layers", "dim", "ff_dim", "n_heads", "n_kv_heads", "n_vocab"):
+        for name, key in (("n_layers", "block_count"), ("dim", "embedding_length"), ("ff_dim", "feed_forward_length"),
+                          ("n_heads", "attention.head_count"), ("n_kv_heads", "attention.head_count_kv"),
+                          ("n_vocab", "vocab_size"), ("n_ctx_train", "context_length")):
             if getattr(self, name) <= 0:
-                raise PykvError(f"bad model config: {name} = {getattr(self, name)}")
+                raise PykvError(f"metadata llama.{key} = {getattr(self, name)}, expected >= 1")
         if self.dim % self.n_heads:
-            raise PykvError(f"bad model config: embedding_length {self.dim} not divisible by head_count {self.n_heads}")
+            raise PykvError(f"metadata llama.embedding_length {self.dim} is not divisible by "
+                            f"llama.attention.head_count {self.n_heads}")
         if self.n_heads % self.n_kv_heads:
-            raise PykvError(f"bad model config: head_count {self.n_heads} not a multiple of head_count_kv {self.n_kv_heads}")
-        if self.rope_dims % 2 or self.rope_dims > self.head_dim:
-            raise PykvError(f"bad model config: rope.dimension_count {self.rope_dims} (head_dim {self.head_dim})")
-        if not (self.rope_base > 0 and self.rope_freq_scale > 0 and self.yarn_attn_factor >= 0):
-            raise PykvError(f"bad model config: rope.freq_base {self.rope_base}, rope.scaling.factor "
+            raise PykvError(f"metadata llama.attention.head_count {self.n_heads} is not a multiple of "
+                            f"llama.attention.head_count_kv {self.n_kv_heads}")
+        if self.head_dim % 2:
+            raise PykvError(f"head_dim = embedding_length / head_count = {self.head_dim} is odd (RoPE rotates pairs)")
+        if self.rope_dims < 2 or self.rope_dims % 2 or self.rope_dims > self.head_dim:
+            raise PykvError(f"metadata llama.rope.dimension_count {self.rope_dims}: expected even, "
+                            f"2..head_dim {self.head_dim}")
+        if not (0 < self.norm_eps < math.inf):
+            raise PykvError(f"metadata llama.attention.layer_norm_rms_epsilon = {self.norm_eps}, expected finite > 0")
+        if not (self.rope_base > 0 and self.rope_freq_scale > 0 and self.yarn_attn_factor >= 0) or not all(
+                math.isfinite(v) for v in (self.rope_base, self.rope_freq_scale, self.yarn_attn_factor,
+                                           self.yarn_beta_fast, self.yarn_beta_slow)):
+            raise PykvError(f"bad RoPE metadata: llama.rope.freq_base {self.rope_base}, rope.scaling.factor "
                             f"{1 / self.rope_freq_scale if self.rope_freq_scale else 0}, "
-                            f"yarn_attn_factor {self.yarn_attn_factor}")
+                            f"yarn_attn_factor {self.yarn_attn_factor}, yarn betas {self.yarn_beta_fast}, "
+                            f"{self.yarn_beta_slow}")
         if self.rope_scaling == "yarn" and self.rope_orig_ctx <= 0:
-            raise PykvError(f"bad model config: rope.scaling.original_context_length {self.rope_orig_ctx}")
+            raise PykvError(f"metadata llama.rope.scaling.original_context_length = {self.rope_orig_ctx}, expected >= 1")

@@ -7,10 +7,12 @@ llama.cpp's interleaved-pair layout), so llama.cpp and pykv load them alike.
 """
 from __future__ import annotations
 
+import glob
 import math
 import os
 import re
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -226,17 +228,48 @@ def _keeps_f32(gname: str, ndim: int) -> bool:
 # safe output
 # ----------------------------------------------------------------------------
 
-def _check_out(path: Path, force: bool) -> None:
+def _check_out(path: Path, force: bool, inputs=()) -> None:
+    """An output may be written: not a folder, its folder exists, not replaced without --force, and not
+    one of the inputs (same path or same inode: a hard link counts)."""
+    if path.is_dir():
+        raise ConvertError(f"output is a directory: {path}")
+    for src in inputs:
+        if _same_file(path, Path(src)):
+            raise ConvertError(f"output {path} is the input {src}: write to another file")
     if path.exists() and not force:
         raise ConvertError(f"output exists: {path} (use --force)")
-    if path.exists() and path.is_dir():
-        raise ConvertError(f"output is a directory: {path}")
     if not path.parent.is_dir():
         raise ConvertError(f"output folder does not exist: {path.parent}")
+    _remove_stale_tmp(path)
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:              # one of them does not exist
+        return False
 
 
 def _tmp_path(path: Path) -> Path:
     return path.with_name(f".{path.name}.tmp-{os.getpid()}")
+
+
+def _remove_stale_tmp(path: Path) -> None:
+    """Temp files of writers that were killed (their pid is gone) next to this output."""
+    for p in path.parent.glob(f".{glob.escape(path.name)}.tmp-*"):
+        pid = p.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and int(pid) != os.getpid() and not os.path.exists(f"/proc/{pid}"):
+            try:
+                p.unlink()
+            except OSError:
+                pass
+
+
+def _test_pause() -> None:
+    """PYKV_TEST_WRITE_PAUSE=seconds: a writer sleeps midway, so a test can kill it there (tests only)."""
+    s = os.environ.get("PYKV_TEST_WRITE_PAUSE")
+    if s:
+        time.sleep(float(s))
 
 
 def _want_progress(progress: bool | None) -> bool:
@@ -301,6 +334,8 @@ def _write_gguf(out_path: Path, writer_setup: Callable[[gguf.GGUFWriter], None],
                     raise ConvertError(f"internal error: {t.name}: {arr.nbytes} bytes, expected {t.nbytes}")
                 w.write_tensor_data(arr)
                 bar.update(t.nbytes, t.name)
+                if t is tensors[0]:
+                    _test_pause()
         finally:
             bar.close()
         w.close()
@@ -608,7 +643,11 @@ def convert_hf(hf_dir, out_path, outtype: str = "f16", force: bool = False, prog
     hf_dir = Path(hf_dir)
     out_path = Path(out_path)
     outtype = parse_type(outtype, "--outtype")
-    _check_out(out_path, force)
+    if not hf_dir.exists():
+        raise ConvertError(f"HF model folder not found: {hf_dir}")
+    if not hf_dir.is_dir():
+        raise ConvertError(f"{hf_dir} is a file, expected a HF model folder")
+    _check_out(out_path, force, [p for p in hf_dir.iterdir() if p.is_file()])
     cfg_path = hf_dir / "config.json"
     if not cfg_path.is_file():
         raise ConvertError(f"no config.json in {hf_dir}")
@@ -747,9 +786,10 @@ def convert_hf(hf_dir, out_path, outtype: str = "f16", force: bool = False, prog
 # ----------------------------------------------------------------------------
 
 def _open_gguf(path) -> gguf.GGUFReader:
-    path = Path(path)
-    if not path.is_file():
-        raise ConvertError(f"no such file: {path}")
+    """gguf-py's reader over a file pykv's own parser accepted first (bounds-checked header, tensor
+    data inside the file, in order: a hostile file gets a one-line PykvError, not gguf-py's exception)."""
+    from pykv.gguf_io import GGUFFile
+    GGUFFile(path)
     try:
         return gguf.GGUFReader(path)
     except Exception as e:  # noqa: BLE001
@@ -848,9 +888,7 @@ def quantize_gguf(in_path, out_path, qtype, output_type=None, token_embedding_ty
     from pykv.quant_plan import MIXES, ImatrixError, imatrix_for, read_imatrix
     in_path, out_path = Path(in_path), Path(out_path)
     qtype = parse_quant_type(qtype)
-    _check_out(out_path, force)
-    if in_path.resolve() == out_path.resolve():
-        raise ConvertError("input and output are the same file")
+    _check_out(out_path, force, [in_path] + ([imatrix] if imatrix else []))
     r = _open_gguf(in_path)
     arch = _field_value(r.fields["general.architecture"]) if "general.architecture" in r.fields else "?"
     if arch != "llama":
@@ -1134,10 +1172,13 @@ def export_hf(in_path, out_dir, dtype: str = "f16", force: bool = False, progres
 
     # plan output files
     outputs = ["config.json", "model.safetensors", "generation_config.json"] + list(tok_files)
-    if not force:
-        for fn in outputs:
-            if (out_dir / fn).exists():
-                raise ConvertError(f"output exists: {out_dir / fn} (use --force)")
+    for fn in outputs:
+        if _same_file(out_dir / fn, in_path):
+            raise ConvertError(f"output {out_dir / fn} is the input {in_path}: export to another folder")
+        if (out_dir / fn).is_dir():
+            raise ConvertError(f"output is a directory: {out_dir / fn}")
+        if not force and (out_dir / fn).exists():
+            raise ConvertError(f"output exists: {out_dir / fn} (use --force)")
     out_dir.mkdir(parents=True, exist_ok=True)
 
     np_dtype = {"f16": np.float16, "f32": np.float32, "bf16": np.uint16}[dtype]
@@ -1167,6 +1208,7 @@ def export_hf(in_path, out_dir, dtype: str = "f16", force: bool = False, progres
         tmp = _tmp_path(out_dir / fn)
         try:
             writer(tmp)
+            _test_pause()
             os.replace(tmp, out_dir / fn)
         except BaseException:
             try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 
 import numpy as np
@@ -72,6 +73,8 @@ def cmd_perplexity(args) -> int:
             text = f.read()
     except OSError as e:
         raise PykvError(f"cannot read {textfile}: {e.strerror}") from None
+    except UnicodeDecodeError:
+        raise PykvError(f"cannot read {textfile}: not UTF-8 text") from None
     model = load_from_args(args, model_path, q8_act=args.q8_act)
     ids = model.tokenize(text)
     base = None
@@ -118,12 +121,15 @@ def plan_rows(path, memory: int, page_tokens: int = 32) -> tuple[dict, list[dict
 def cmd_plan(args) -> int:
     from .cli import parse_bytes
     from .models import ModelFetchError, resolve_model
-    try:
-        path = str(resolve_model(args.model))
+    try:      # an existing path is opened as it is (a folder or a socket gets the file's own error)
+        path = args.model if args.model and os.path.exists(args.model) else str(resolve_model(args.model))
     except ModelFetchError as e:
         raise PykvError(str(e)) from None
     memory = parse_bytes(args.memory)
     info, rows = plan_rows(path, memory)
+    if info["kv_memory"] <= 0:
+        raise PykvError(f"--memory {args.memory} ({memory:,} bytes) does not hold the weights "
+                        f"({info['weights_bytes']:,} bytes), let alone a KV cache")
     if args.json:
         print(json.dumps({**info, "rows": rows}))
         return 0
@@ -131,8 +137,6 @@ def cmd_plan(args) -> int:
     print(f"model {path}: weights {info['weights_bytes'] / 2**20:.1f} MiB; memory {memory / gib:.2f} GiB; "
           f"KV memory {info['kv_memory'] / gib:.2f} GiB; {info['n_layers']} layers x {info['n_kv_heads']} KV heads "
           f"x head_dim {info['head_dim']}; trained context {info['n_ctx_train']}")
-    if info["kv_memory"] <= 0:
-        print("the weights alone do not fit in this memory", file=sys.stderr)
     print("| KV type | bits/value | bytes/token | fixed f16 bytes/seq | max context (1 seq) | "
           f"seqs of {info['n_ctx_train']} tokens |")
     print("|---|---:|---:|---:|---:|---:|")

@@ -80,12 +80,15 @@ def generate(model, prompt, max_tokens=128, temperature=0.8, top_k=40, top_p=0.9
              repeat_penalty=1.0, seed=None, stop=()):
     """Stream text pieces from a fresh sequence. `prompt` is a str (tokenized with special tokens) or a
     list of ids. Statistics land in model.last_stats (prompt/decode token counts and seconds, finish
-    reason). Generation ends quietly when the context is full (finish reason 'length')."""
+    reason). A prompt plus max_tokens longer than the context is refused before anything runs."""
     ids = model.tokenize(prompt) if isinstance(prompt, str) else [int(i) for i in prompt]
     if not ids:
         raise PykvError("empty prompt")
     if len(ids) >= model.n_ctx:
         raise PykvError(f"prompt is {len(ids)} tokens, longer than the context size {model.n_ctx} (use -c)")
+    if len(ids) + max_tokens > model.n_ctx:
+        raise PykvError(f"prompt ({len(ids)} tokens) + max tokens ({max_tokens}) = {len(ids) + max_tokens} exceed "
+                        f"the context size {model.n_ctx} (use a larger -c or a smaller -n)")
     stops = stop_list(stop)
     sampler = make_sampler(model, temperature, top_k, top_p, min_p, repeat_penalty, seed)
     stats = model.last_stats = {"prompt_tokens": len(ids), "prompt_s": 0.0, "gen_tokens": 0, "gen_s": 0.0}

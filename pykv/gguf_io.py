@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import stat
 import struct
 from dataclasses import dataclass
 
@@ -10,7 +11,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as T
 from gguf.constants import GGML_QUANT_SIZES
 
-from .config import Config, PykvError
+from .config import Config, ModelFileError, PykvError
 
 # Weight types the matmul kernels execute.
 WEIGHT_TYPES = {T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K}
@@ -134,7 +135,7 @@ def _parse(path: str):
     if not isinstance(align, int) or align <= 0 or align & (align - 1):
         raise _Corrupt(f"bad general.alignment {align!r}")
     start = -(-h.off // align) * align
-    return meta, [(n, gt, sh, start + off, nb) for n, gt, sh, off, nb in infos], mm
+    return meta, [(n, gt, sh, start + off, nb) for n, gt, sh, off, nb in infos], mm, start, align
 
 
 class GGUFFile:
@@ -146,22 +147,29 @@ class GGUFFile:
             raise PykvError(f"model file not found: {path}")
         if os.path.isdir(path):
             raise PykvError(f"model path is a directory, not a GGUF file: {path}")
+        if not stat.S_ISREG(os.stat(path).st_mode):      # a FIFO would block, a device never ends
+            raise PykvError(f"model path is not a regular file: {path}")
         try:
-            self.metadata, infos, mm = _parse(path)
+            self.metadata, infos, mm, start, align = _parse(path)
         except _NotGGUF as e:
-            raise PykvError(f"not a GGUF file ({e}): {path}") from None
+            raise ModelFileError(f"not a GGUF file ({e}): {path}") from None
         except _Corrupt as e:
-            raise PykvError(f"corrupt or truncated GGUF file {path}: {e}") from None
+            raise ModelFileError(f"corrupt or truncated GGUF file {path}: {e}") from None
         except OSError as e:
             raise PykvError(f"cannot read {path}: {e.strerror}") from None
         self.path = path
         self.file_size = len(mm)
         self.tensors: dict[str, TensorInfo] = {}
+        expect = start           # llama.cpp's rule: tensor data in table order, each padded to the alignment
         for name, gt, shape, off, nbytes in infos:
             if name in self.tensors:
-                raise PykvError(f"corrupt GGUF file {path}: duplicate tensor {name}")
+                raise ModelFileError(f"corrupt GGUF file {path}: duplicate tensor {name}")
+            if off != expect:
+                raise ModelFileError(f"corrupt GGUF file {path}: tensor {name} has data offset {off - start}, "
+                                f"expected {expect - start}")
+            expect += -(-nbytes // align) * align
             if off + nbytes > self.file_size:
-                raise PykvError(f"truncated GGUF file {path}: tensor {name} data lies outside the file")
+                raise ModelFileError(f"truncated GGUF file {path}: tensor {name} data lies outside the file")
             dims = tuple(reversed(shape))
             if gt in _ITEM_NP:
                 data = np.frombuffer(mm, _ITEM_NP[gt], nbytes // GGML_QUANT_SIZES[gt][1], off).reshape(dims)
@@ -185,6 +193,8 @@ class GGUFFile:
 
 
 def open_model(path) -> tuple[GGUFFile, Config]:
+    """Open and validate a model file (pykv.validate: metadata, tokenizer tables, tensors) before any
+    kernel sees it."""
+    from .validate import validate
     gf = GGUFFile(path)
-    cfg = Config.from_metadata(gf.metadata)
-    return gf, cfg
+    return gf, validate(gf)

@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass
 
 import numba
 import numpy as np
 from gguf import GGMLQuantizationType as GT
 
-from .config import Config, PykvError
+from .config import Config, ContextWarning, PykvError
 from .gguf_io import WEIGHT_TYPES, GGUFFile, open_model
 from .kernels import matmul as mm
 from .kernels.ops import (add_inplace, add_rmsnorm_act, attn_out_act, qkv_prep, rmsnorm, rmsnorm_act, rope,
@@ -124,9 +125,9 @@ class Model:
                 path = resolve_model(None if path is None else os.fspath(path))
             except ModelFetchError as e:
                 raise PykvError(str(e)) from None
-        if threads:
+        if threads is not None:
             if threads < 1:
-                raise PykvError("threads must be >= 1")
+                raise PykvError(f"threads must be >= 1, got {threads}")
             numba.set_num_threads(min(int(threads), numba.config.NUMBA_NUM_THREADS))
         self.path = os.fspath(path)
         self.gguf, self.config = open_model(self.path)
@@ -134,6 +135,9 @@ class Model:
         if n_ctx is None or n_ctx <= 0:
             n_ctx = cfg.n_ctx_train
         self.n_ctx = int(n_ctx)
+        if self.n_ctx > cfg.n_ctx_train:
+            warnings.warn(f"context size {self.n_ctx} is above the model's training context {cfg.n_ctx_train}: "
+                          "quality may drop past it", ContextWarning, stacklevel=3)
         self.q8_act = bool(q8_act)
         self.weights = Weights.load(self.gguf, cfg, self.q8_act)
         self.tokenizer = Tokenizer.from_metadata(self.gguf.metadata)
@@ -252,6 +256,14 @@ class Model:
         if seq.n_tokens + len(ids) > self.n_ctx:
             raise PykvError(f"{seq.n_tokens + len(ids)} tokens exceed the context size {self.n_ctx} (use -c)")
         out = np.zeros((len(ids) if all_logits else 1, self.n_vocab), np.float32)
+        try:
+            self._eval_batches(seq, ids, all_logits, progress, out)
+        except ZeroDivisionError:     # a Numba kernel divided by a sum of NaN/inf activations
+            raise PykvError(f"{self.path}: the forward pass overflowed to inf/NaN (weights too large "
+                            "for float32 activations)") from None
+        return out
+
+    def _eval_batches(self, seq: Sequence, ids: np.ndarray, all_logits: bool, progress, out: np.ndarray) -> None:
         s = 0
         while s < len(ids):
             n = min(self.n_batch, len(ids) - s)
@@ -267,7 +279,6 @@ class Model:
             s += n
             if progress is not None:
                 progress(s)
-        return out
 
     def new_sequence(self) -> Sequence:
         if self.seq is not None:

@@ -25,6 +25,8 @@ from typing import Iterable
 
 import regex
 
+from .config import PykvError
+
 __all__ = ["Tokenizer", "StreamDecoder", "tokenizer_from_gguf"]
 
 # GGUF / llama.cpp token types
@@ -457,9 +459,9 @@ class Tokenizer:
             unk = [u]
         for extra in unk[1:]:
             types[extra] = TOKEN_CONTROL
-        n_bytes = sum(1 for t in types if t == TOKEN_BYTE)
-        byte_fallback = n_bytes == 256
-        if n_bytes and not byte_fallback:
+        byte_texts = {self.tokens[i] for i, t in enumerate(types) if t == TOKEN_BYTE}
+        byte_fallback = len(byte_texts) == 256     # sentencepiece wants 256 distinct <0xNN> pieces
+        if byte_texts and not byte_fallback:
             types = [TOKEN_NORMAL if t == TOKEN_BYTE else t for t in types]
         # map our ids <-> proto ids; duplicate / empty pieces are not accepted
         # by sentencepiece, so drop them from the proto (they can't be produced)
@@ -477,7 +479,10 @@ class Tokenizer:
             unk_id=keep.index(unk[0]) if not identity else unk[0],
             bos_id=-1, eos_id=-1, pad_id=-1, add_dummy_prefix=False, byte_fallback=byte_fallback)
         sp = spm.SentencePieceProcessor()
-        sp.LoadFromSerializedProto(proto)
+        try:
+            sp.LoadFromSerializedProto(proto)
+        except RuntimeError as e:
+            raise PykvError(f"tokenizer: sentencepiece refuses this vocabulary: {str(e).splitlines()[0]}") from None
         if identity:
             self._sp = sp
         else:
