@@ -44,14 +44,15 @@ def generate(model, prompt, max_tokens=128, temperature=0.8, top_k=40, top_p=0.9
     def run():
         seq = model.new_sequence()
         t0 = time.perf_counter()
-        logits = model.eval(seq, ids)[0]
-        stats["prompt_s"] = time.perf_counter() - t0
         history = list(ids)
+        tid = model.next_token(seq, ids, sampler, history)   # sampled where the logits are (cpu | cuda)
+        stats["prompt_s"] = time.perf_counter() - t0
         dec = StreamDecoder(model.tokenizer)
         pending = ""
         t0 = time.perf_counter()
-        for _ in range(max_tokens):
-            tid = sampler.sample(logits, history)
+        for i in range(max_tokens):
+            if i:
+                tid = model.next_token(seq, [tid], sampler, history)
             if model.tokenizer.is_eog(tid):
                 break
             history.append(tid)
@@ -66,7 +67,6 @@ def generate(model, prompt, max_tokens=128, temperature=0.8, top_k=40, top_p=0.9
                 break
             if seq.n_tokens >= model.n_ctx:
                 break
-            logits = model.eval(seq, [tid])[0]
             stats["gen_s"] = time.perf_counter() - t0
         else:
             stats["gen_s"] = time.perf_counter() - t0

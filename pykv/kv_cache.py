@@ -85,7 +85,7 @@ def _fmt_list(types, n_layers, what):
 class KVCache:
     F16_CODE = F16.code          # format of the residual rows
     def __init__(self, cfg: Config, n_ctx: int, k_types="f16", v_types="f16", page_tokens: int = 32,
-                 max_seqs: int = 1, kv_budget: int | None = None, k_smooth: bool = True):
+                 max_seqs: int = 1, kv_budget: int | None = None, k_smooth: bool = True, backend=None):
         self.cfg, self.n_ctx, self.P = cfg, int(n_ctx), int(page_tokens)
         HD, KVH = cfg.head_dim, cfg.n_kv_heads
         if self.P <= 0:

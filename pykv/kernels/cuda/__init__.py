@@ -1,0 +1,55 @@
+"""numba.cuda twins of the CPU kernel modules (pykv.kernels.{matmul, ops, sampler, kvquant, attention}):
+same public names and arguments, device arrays in and out. Picked through kernels.backend.get_backend("cuda").
+
+Reductions: on a GPU, warp sums use shuffles (cuda.shfl_down_sync); under NUMBA_ENABLE_CUDASIM=1 (the
+simulator has no shuffles) they go through shared memory instead (SIM below, fixed at import)."""
+from numba import config, cuda
+import numpy as np
+
+SIM = bool(config.ENABLE_CUDASIM)
+WARP = 32
+
+
+@cuda.jit(device=True, inline=True)
+def warp_sum(v, sh, w, lane):
+    """Sum of v over the 32 lanes of warp w of the block (every lane gets it on a GPU; lane 0 at least
+    under the simulator). sh: shared float32 (n_warps, 32) scratch, used only under the simulator; every
+    thread of the block must call this (the simulator path synchronizes the block)."""
+    if SIM:
+        sh[w, lane] = v
+        cuda.syncthreads()
+        s = np.float32(0.0)
+        if lane == 0:
+            for i in range(32):
+                s += sh[w, i]
+        cuda.syncthreads()
+        return s
+    off = 16
+    while off > 0:
+        v += cuda.shfl_down_sync(0xFFFFFFFF, v, off)
+        off //= 2
+    return cuda.shfl_sync(0xFFFFFFFF, v, 0)
+
+
+@cuda.jit(device=True, inline=True)
+def block_sum(v, sh):
+    """Sum of v over the whole (1-D, power-of-two sized) block, returned to every thread; sh: shared
+    float32 scratch of at least blockDim.x. Tree reduction in shared memory (GPU and simulator)."""
+    i = cuda.threadIdx.x
+    n = cuda.blockDim.x
+    sh[i] = v
+    cuda.syncthreads()
+    s = n // 2
+    while s > 0:
+        if i < s:
+            sh[i] += sh[i + s]
+        cuda.syncthreads()
+        s //= 2
+    r = sh[0]
+    cuda.syncthreads()
+    return r
+
+
+def grid(n, per):
+    """Blocks of `per` covering n items."""
+    return max(1, -(-int(n) // per))
