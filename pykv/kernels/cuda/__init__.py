@@ -11,24 +11,29 @@ WARP = 32
 
 
 @cuda.jit(device=True, inline=True)
-def warp_sum(v, sh, w, lane):
-    """Sum of v over the 32 lanes of warp w of the block (every lane gets it on a GPU; lane 0 at least
-    under the simulator). sh: shared float32 (n_warps, 32) scratch, used only under the simulator; every
-    thread of the block must call this (the simulator path synchronizes the block)."""
+def warp_sums(acc, sh, w, lane):
+    """acc[i] <- its sum over the 32 lanes of warp w, for every i (lane 0 holds the sums; all lanes on a
+    GPU). sh: shared float32 (n_warps, len(acc), 32), used only under the simulator (two block barriers
+    for the whole array instead of two per element: the simulator's barriers are slow)."""
     if SIM:
-        sh[w, lane] = v
+        for i in range(acc.shape[0]):
+            sh[w, i, lane] = acc[i]
         cuda.syncthreads()
-        s = np.float32(0.0)
         if lane == 0:
-            for i in range(32):
-                s += sh[w, i]
+            for i in range(acc.shape[0]):
+                s = np.float32(0.0)
+                for j in range(32):
+                    s += sh[w, i, j]
+                acc[i] = s
         cuda.syncthreads()
-        return s
-    off = 16
-    while off > 0:
-        v += cuda.shfl_down_sync(0xFFFFFFFF, v, off)
-        off //= 2
-    return cuda.shfl_sync(0xFFFFFFFF, v, 0)
+        return
+    for i in range(acc.shape[0]):
+        v = acc[i]
+        off = 16
+        while off > 0:
+            v += cuda.shfl_down_sync(0xFFFFFFFF, v, off)
+            off //= 2
+        acc[i] = v
 
 
 @cuda.jit(device=True, inline=True)

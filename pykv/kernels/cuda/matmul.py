@@ -22,12 +22,14 @@ from numba import cuda
 
 from .. import matmul as _cpu
 from ..matmul import BF16, F16, F32, Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, SUPPORTED_TYPES
-from . import grid, warp_sum
+from . import SIM, grid, warp_sums
 
 __all__ = ["Weight", "Act", "prepare_weight", "matmul", "matmul_fused", "get_rows", "SUPPORTED_TYPES"]
 
-NW = 4          # warps (weight rows) per block
+NW = 1 if SIM else 4     # warps (weight rows) per block (the simulator runs a thread per Python thread)
 TT = 8          # tokens per block
+NTG = 32 if SIM else 128    # threads of the get_rows / Act.set blocks
+_SH = (NW, TT, 32) if SIM else (1, 1, 1)    # warp-sum scratch: only the simulator needs it
 f32 = np.float32
 
 _dev = cuda.jit(device=True, inline=True)
@@ -130,10 +132,10 @@ def _row_dot(kind, raw, fw, r, x, t0, nt, lane, acc):
 
 @cuda.jit(device=True, inline=True)
 def _finish(acc, sh, wi, lane, r, ok, nt, t0, out):
-    for i in range(TT):          # every lane of the block reaches every warp_sum
-        s = warp_sum(acc[i], sh, wi, lane)
-        if lane == 0 and ok and i < nt:
-            out[t0 + i, r] = s
+    warp_sums(acc, sh, wi, lane)     # every lane of the block gets here
+    if lane == 0 and ok:
+        for i in range(nt):
+            out[t0 + i, r] = acc[i]
 
 
 @cuda.jit
@@ -149,7 +151,7 @@ def _mm_kernel(kind, raw, fw, rows, x, T, out):
         acc[i] = 0.0
     if r < rows:
         _row_dot(kind, raw, fw, r, x, t0, nt, lane, acc)
-    sh = cuda.shared.array((NW, 32), np.float32)
+    sh = cuda.shared.array(_SH, np.float32)
     _finish(acc, sh, wi, lane, r, r < rows, nt, t0, out)
 
 
@@ -164,7 +166,7 @@ def _mm3_kernel(ka, ra, fa, na, oa, kb, rb, fb, nb, ob, kc, rc, fc, nc, oc, x, T
     acc = cuda.local.array(TT, np.float32)
     for i in range(TT):
         acc[i] = 0.0
-    sh = cuda.shared.array((NW, 32), np.float32)
+    sh = cuda.shared.array(_SH, np.float32)
     if r < na:
         _row_dot(ka, ra, fa, r, x, t0, nt, lane, acc)
         _finish(acc, sh, wi, lane, r, True, nt, t0, oa)
@@ -275,7 +277,7 @@ class Act:
             raise ValueError(f"Act.set: T={T} outside 1..{self.max_tokens}")
         if x.dtype != np.float32:
             raise ValueError(f"Act.set: x must be float32, got {x.dtype}")
-        _act_set_kernel[T, 128](x, self.x, self.xf)
+        _act_set_kernel[T, NTG](x, self.x, self.xf)
         self.T = T
 
     def mark(self, T: int) -> None:
@@ -331,4 +333,4 @@ def get_rows(w: Weight, ids, out) -> None:
     if out.dtype != np.float32 or out.ndim != 2 or out.shape[0] < n or out.shape[1] != w.cols:
         raise ValueError(f"get_rows: out must be float32 (>={n}, {w.cols}), got {out.dtype}{tuple(out.shape)}")
     if n:
-        _get_rows_kernel[(n, grid(w.cols, 128)), 128](w.kind, w.raw, w.fw, ids, out)
+        _get_rows_kernel[(n, grid(w.cols, NTG)), NTG](w.kind, w.raw, w.fw, ids, out)
