@@ -11,8 +11,10 @@ import math
 import numpy as np
 from numba import cuda
 
+from . import SIM
+
 KMAX = 256
-NT = 256
+NT = 32 if SIM else 256     # threads of the one sampling block (the simulator's barriers are slow)
 _BUF = {}
 
 
@@ -130,7 +132,7 @@ def pick(logits, sampler, history, u: float) -> int:
     """The token sampler.pick would choose from the device row logits (V,) for the uniform draw u.
     The repetition penalty is applied to `logits` in place."""
     p = sampler.params
-    V = logits.shape[-1]
+    V = logits.size
     logits = logits.reshape(V)
     n = p.repeat_last_n
     if p.repeat_penalty != 1.0 and n != 0 and len(history):
