@@ -1,3 +1,8 @@
+import os
+
+if os.environ.get("PYKV_REAL_GPU") != "1":       # CUDA kernels run on numba's simulator unless asked
+    os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")   # (set before numba is imported)
+
 from pathlib import Path
 
 import numpy as np
