@@ -145,7 +145,7 @@ class Model:
         self.tokenizer = Tokenizer.from_metadata(self.gguf.metadata)
         self._kv_opts = {"page_tokens": page_tokens, "kv_budget": kv_budget, "k_smooth": kv_smooth}
         self.n_batch = int(n_batch)
-        self.max_chunks = 8 * numba.config.NUMBA_NUM_THREADS + 2
+        self.max_chunks = 8 * self.be.max_workers + 2
         self.state = RunState(cfg, self.n_batch, self.max_chunks, self.be)
         cos, sin = rope_tables(self.n_ctx, cfg.rope_dims, cfg.rope_base, cfg.rope_freq_scale,
                                          self.weights.rope_freqs, cfg.yarn_ext_factor, cfg.yarn_attn_mul,
@@ -212,7 +212,7 @@ class Model:
                      seq.k_scale[li], smooth, self.rot_sign, self.rotate, self.q_mul)
         cache.append(li, seq, k3, v3)
         n_tot = n_past + T
-        chunk = cache.chunk_for(n_tot, T, numba.get_num_threads())
+        chunk = cache.chunk_for(n_tot, T, self.be.workers())
         C = -(-n_tot // chunk)
         part = st.part[:T * KVH * C * (H // KVH) * (HD + 2)].reshape(T, KVH, C, H // KVH, HD + 2)
         att3 = st.att[:T].reshape(T, H, HD)

@@ -50,6 +50,16 @@ class Backend:
     def synchronize(self) -> None:
         pass
 
+    def workers(self) -> int:
+        """Parallel workers the attention split aims at (KVCache.chunk_for): CPU threads in use."""
+        import numba
+        return numba.get_num_threads()
+
+    @property
+    def max_workers(self) -> int:
+        import numba
+        return numba.config.NUMBA_NUM_THREADS
+
 
 class CudaBackend(Backend):
     def __init__(self):
@@ -70,6 +80,19 @@ class CudaBackend(Backend):
 
     def synchronize(self) -> None:
         self.cuda.synchronize()
+
+    def workers(self) -> int:
+        """The GPU's streaming multiprocessors (1 under the simulator)."""
+        return self.max_workers
+
+    @property
+    def max_workers(self) -> int:
+        if not hasattr(self, "_sms"):
+            try:
+                self._sms = int(self.cuda.get_current_device().MULTIPROCESSOR_COUNT)
+            except Exception:     # the simulator's device has no attributes
+                self._sms = 1
+        return self._sms
 
 
 _CACHE: dict = {}

@@ -7,13 +7,15 @@ from numba import config, cuda
 import numpy as np
 
 SIM = bool(config.ENABLE_CUDASIM)
-WARP = 32
+# lanes of a "warp" (the threads that share one weight row): 32 on a GPU (shuffle sums); 2 under the
+# simulator, which runs every thread as a Python thread (same code, far fewer threads to start and join)
+WL = 2 if SIM else 32
 
 
 @cuda.jit(device=True, inline=True)
 def warp_sums(acc, sh, w, lane):
-    """acc[i] <- its sum over the 32 lanes of warp w, for every i (lane 0 holds the sums; all lanes on a
-    GPU). sh: shared float32 (n_warps, len(acc), 32), used only under the simulator (two block barriers
+    """acc[i] <- its sum over the WL lanes of warp w, for every i (lane 0 holds the sums; all lanes on a
+    GPU). sh: shared float32 (n_warps, len(acc), WL), used only under the simulator (two block barriers
     for the whole array instead of two per element: the simulator's barriers are slow)."""
     if SIM:
         for i in range(acc.shape[0]):
@@ -22,7 +24,7 @@ def warp_sums(acc, sh, w, lane):
         if lane == 0:
             for i in range(acc.shape[0]):
                 s = np.float32(0.0)
-                for j in range(32):
+                for j in range(WL):
                     s += sh[w, i, j]
                 acc[i] = s
         cuda.syncthreads()

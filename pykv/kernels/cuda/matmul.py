@@ -8,7 +8,7 @@ Device layout: quantized weights are uploaded as their raw ggml blocks (uint8 (r
 BF16 as float32 (rows, cols), F16 as float16 (rows, cols). Kernels: one warp per weight row, NW warps per
 block, a tile of TT tokens per block (each weight element is decoded once per TT tokens); lane l reads
 elements l, l + 32, ... (the 32 lanes of a warp read one 32-block together), float32 accumulators, a warp
-sum (shuffles on a GPU, shared memory under the simulator).
+sum (shuffles on a GPU; under the simulator 2 lanes and 16 rows per block, summed in shared memory).
 
 Element decoders: one scalar function per format, w_elem(kind, raw, fw, r, e). The K-quant scale and
 quant helpers are the CPU module's own (_q3k_scale, _q23k_q, _k_scale_min), compiled again for the
@@ -22,14 +22,14 @@ from numba import cuda
 
 from .. import matmul as _cpu
 from ..matmul import BF16, F16, F32, Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, SUPPORTED_TYPES
-from . import SIM, grid, warp_sums
+from . import SIM, WL, grid, warp_sums
 
 __all__ = ["Weight", "Act", "prepare_weight", "matmul", "matmul_fused", "get_rows", "SUPPORTED_TYPES"]
 
-NW = 1 if SIM else 4     # warps (weight rows) per block (the simulator runs a thread per Python thread)
+NW = 16 if SIM else 4    # warps (weight rows) per block; a warp: WL lanes (32 on a GPU, 2 simulated)
 TT = 8          # tokens per block
 NTG = 32 if SIM else 128    # threads of the get_rows / Act.set blocks
-_SH = (NW, TT, 32) if SIM else (1, 1, 1)    # warp-sum scratch: only the simulator needs it
+_SH = (NW, TT, WL) if SIM else (1, 1, 1)    # warp-sum scratch: only the simulator needs it
 f32 = np.float32
 
 _dev = cuda.jit(device=True, inline=True)
@@ -123,8 +123,8 @@ def w_elem(kind, raw, fw, r, e):
 
 @cuda.jit(device=True, inline=True)
 def _row_dot(kind, raw, fw, r, x, t0, nt, lane, acc):
-    # acc[i] += W[r, lane::32] . x[t0 + i, lane::32] for i < nt
-    for e in range(lane, x.shape[1], 32):
+    # acc[i] += W[r, lane::WL] . x[t0 + i, lane::WL] for i < nt
+    for e in range(lane, x.shape[1], WL):
         wv = w_elem(kind, raw, fw, r, e)
         for i in range(nt):
             acc[i] += wv * x[t0 + i, e]
@@ -141,8 +141,8 @@ def _finish(acc, sh, wi, lane, r, ok, nt, t0, out):
 @cuda.jit
 def _mm_kernel(kind, raw, fw, rows, x, T, out):
     # out[t, r] = W[r] . x[t]: block (NW warps) = NW rows x TT tokens
-    lane = cuda.threadIdx.x & 31
-    wi = cuda.threadIdx.x >> 5
+    lane = cuda.threadIdx.x % WL
+    wi = cuda.threadIdx.x // WL
     r = cuda.blockIdx.x * NW + wi
     t0 = cuda.blockIdx.y * TT
     nt = min(TT, T - t0)
@@ -158,8 +158,8 @@ def _mm_kernel(kind, raw, fw, rows, x, T, out):
 @cuda.jit
 def _mm3_kernel(ka, ra, fa, na, oa, kb, rb, fb, nb, ob, kc, rc, fc, nc, oc, x, T):
     # the rows of up to three weights sharing x, one launch: rows [0, na) of a, then b, then c
-    lane = cuda.threadIdx.x & 31
-    wi = cuda.threadIdx.x >> 5
+    lane = cuda.threadIdx.x % WL
+    wi = cuda.threadIdx.x // WL
     r = cuda.blockIdx.x * NW + wi
     t0 = cuda.blockIdx.y * TT
     nt = min(TT, T - t0)
@@ -297,7 +297,7 @@ def matmul(w: Weight, act: Act, out) -> None:
     if act.cols != w.cols:
         raise ValueError(f"matmul: weight has {w.cols} cols, activation has {act.cols}")
     _check_out(w, T, out)
-    _mm_kernel[(grid(w.rows, NW), grid(T, TT)), 32 * NW](w.kind, w.raw, w.fw, w.rows, act.x, T, out)
+    _mm_kernel[(grid(w.rows, NW), grid(T, TT)), WL * NW](w.kind, w.raw, w.fw, w.rows, act.x, T, out)
 
 
 def matmul_fused(ws, act: Act, outs) -> None:
@@ -315,7 +315,7 @@ def matmul_fused(ws, act: Act, outs) -> None:
     c, oc = (ws[2], outs[2]) if len(ws) == 3 else (ws[1], outs[1])
     nc = c.rows if len(ws) == 3 else 0
     n = a.rows + b.rows + nc
-    _mm3_kernel[(grid(n, NW), grid(T, TT)), 32 * NW](
+    _mm3_kernel[(grid(n, NW), grid(T, TT)), WL * NW](
         a.kind, a.raw, a.fw, a.rows, outs[0], b.kind, b.raw, b.fw, b.rows, outs[1],
         c.kind, c.raw, c.fw, nc, oc, act.x, T)
 

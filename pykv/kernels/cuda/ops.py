@@ -7,10 +7,10 @@ import math
 import numpy as np
 from numba import cuda
 
-from . import block_sum, grid
+from . import SIM, block_sum, grid
 
 HDMAX = 256     # largest head_dim the shared-memory vector kernels take
-NT = 128        # threads of the row kernels
+NT = 32 if SIM else 128     # threads of the row kernels (a power of two, a multiple of 32)
 f32 = np.float32
 
 
@@ -111,7 +111,7 @@ def _swiglu_kernel(g, u, X, XF):
 
 
 def swiglu_act(g, u, X, XF) -> None:
-    # X[:T] = silu(g) * u, XF its block sums (blocks of NT = 4 x 32 elements: whole 32-blocks each)
+    # X[:T] = silu(g) * u, XF its block sums (blocks of NT elements: whole 32-blocks each)
     _swiglu_kernel[(grid(g.shape[1], NT), g.shape[0]), NT](g, u, X, XF)
 
 
