@@ -40,7 +40,7 @@ sys.path.insert(0, ROOT)
 # head_dim 64, vocab 49152, rope base 100000, context 8192; blk.*.{attn_q,k,v,output,ffn_gate,up,down} Q4_1,
 # token_embd Q8_0 (tied output), norms F32.
 SMOLLM2 = dict(dim=576, ff=1536, n_heads=9, n_kv=3, n_layers=30, n_vocab=49152, rope_base=100000.0, n_ctx=8192)
-TINY = dict(dim=64, ff=128, n_heads=2, n_kv=1, n_layers=2, n_vocab=300, rope_base=100000.0, n_ctx=512)
+TINY = dict(dim=64, ff=64, n_heads=2, n_kv=1, n_layers=1, n_vocab=300, rope_base=100000.0, n_ctx=512)
 DEPS = ("gguf", "regex", "yaml", "tqdm")
 
 
@@ -286,14 +286,14 @@ def main(argv=None) -> int:
     log(f"\nsynthetic model {path}: {os.path.getsize(path) / 1e6:.1f} MB written in {time.perf_counter() - t0:.1f} s")
 
     log("\n== 2. greedy, CUDA vs CPU (exact float activations)")
-    ok &= greedy_check(path, 3 if args.tiny else 16)
+    ok &= greedy_check(path, 2 if args.tiny else 16)
 
     log("\n== 3. attention bandwidth (attend_batch: one launch + the merge for all sequences)")
     be = get_backend("cuda")
     bw, t = copy_bandwidth(be, (1 << 16) if args.tiny else (1 << 30), 2 if args.tiny else 10)
     log(f"  device-to-device copy: {bw / 1e9:.1f} GB/s (read + write bytes / time)")
     if args.tiny:
-        rows = attention_table(shapes, (64, 96), (1, 2), ("f16", "q8_0", "q4_0", "int4"), 1)
+        rows = attention_table(shapes, (64,), (1, 2), ("q4_0", "int4"), 1)
     else:
         rows = attention_table(shapes, (4096, 32768), (1, 8, 32), ("f16", "q8_0", "q4_0", "int4"), 5)
     log("\n| KV | tokens | seqs | GB/s | % of copy |")
@@ -302,7 +302,7 @@ def main(argv=None) -> int:
         log(f"| {kt} | {n} | {S} | {nb / tt / 1e9:.1f} | {100 * nb / tt / bw:.0f} % |")
 
     log("\n== 4. decode speed (greedy, sampled on the device)")
-    decode_speed(path, (16, 64) if args.tiny else (16, 4096), 2 if args.tiny else 64, counter)
+    decode_speed(path, (16,) if args.tiny else (16, 4096), 1 if args.tiny else 64, counter)
     log(f"\ngpu_check: {'OK' if ok else 'MISMATCH'} in {time.perf_counter() - t_start:.0f} s")
     return 0 if ok else 1
 
