@@ -157,8 +157,6 @@ def _timed(fn, be, reps):
 
 
 def copy_bandwidth(be, nbytes, reps):
-    import numpy as np
-    from numba import cuda
     n = nbytes // 4
     src, dst = be.zeros(n), be.zeros(n)
     t = _timed(lambda: dst.copy_to_device(src), be, reps)
@@ -167,7 +165,6 @@ def copy_bandwidth(be, nbytes, reps):
 
 def attention_table(cfg_kw, tokens, seqs, kv_types, reps):
     import numpy as np
-    from pykv.config import Config
     from pykv.kernels.backend import get_backend
     from pykv.kv_cache import KVCache
     be = get_backend("cuda")
@@ -206,7 +203,6 @@ def attention_table(cfg_kw, tokens, seqs, kv_types, reps):
                 rows.append((kt, n, S, C, nbytes, t))
                 log(f"  {kt:6s} {n:6d} tokens x {S:2d} seqs: {C:4d} chunks, {nbytes / 1e6:9.2f} MB in "
                     f"{t * 1e6:9.1f} us = {nbytes / t / 1e9:8.3g} GB/s")
-                del cache, ss, stack, part, out
     return rows
 
 

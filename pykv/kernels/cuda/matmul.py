@@ -21,7 +21,7 @@ import numpy as np
 from numba import cuda
 
 from .. import matmul as _cpu
-from ..matmul import BF16, F16, F32, Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, SUPPORTED_TYPES
+from ..matmul import BF16, F16, F32, Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q8_0, SUPPORTED_TYPES
 from . import SIM, WL, grid, warp_sums
 
 __all__ = ["Weight", "Act", "prepare_weight", "matmul", "matmul_fused", "get_rows", "SUPPORTED_TYPES"]
@@ -110,7 +110,7 @@ def w_elem(kind, raw, fw, r, e):
         if kind == Q5_K:
             q |= ((np.int32(w[o + 16 + l]) >> s) & 1) << 4
         return ds * f32(q) - dm
-    # Q6_K
+    # Q6_K (the remaining type)
     o = 210 * bk
     h = ee >> 7
     k = (ee >> 5) & 3
