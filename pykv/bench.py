@@ -136,9 +136,10 @@ def _plan(n_prompt, n_gen, depth, ctk, ctv, threads, reps) -> _Plan:
 class _PykvEngine:
     name = "pykv"
 
-    def __init__(self, path, n_ctx, ctk, ctv, threads, kv_rotate):
+    def __init__(self, path, n_ctx, ctk, ctv, threads, kv_rotate, device="cpu"):
         from .model import load
-        self.m = load(path, n_ctx=n_ctx, kv_type_k=ctk, kv_type_v=ctv, threads=threads, kv_rotate=kv_rotate)
+        self.m = load(path, n_ctx=n_ctx, kv_type_k=ctk, kv_type_v=ctv, threads=threads, kv_rotate=kv_rotate,
+                      device=device)
         self.path = self.m.path
         self.n_vocab = self.m.n_vocab
         self.seq = self.m.new_sequence()
@@ -287,7 +288,7 @@ def _llama_cells(path, plan, ctk, ctv, t, fa_mode, rng, log) -> tuple[dict, str 
 # ---- the benchmark ---------------------------------------------------------------------------------------
 def run_bench(model=None, *, n_prompt="512", n_gen="128", depth="0", ctk="f16", ctv=None, threads=None,
               reps: int = 3, kv_rotate=None, compare_llamacpp: bool = False, flash_attn: str = "auto",
-              progress=None, seed: int = 1234) -> list[dict]:
+              progress=None, seed: int = 1234, device: str = "cpu") -> list[dict]:
     """Run the benchmark; returns one dict per cell (see the module docstring).
 
     List arguments take a comma string or a list. progress: None = print to stderr when it is a TTY.
@@ -313,7 +314,7 @@ def run_bench(model=None, *, n_prompt="512", n_gen="128", depth="0", ctk="f16", 
     for ctk_, ctv_ in plan.pairs:
         for t in plan.threads:
             rng = np.random.default_rng(seed)
-            eng = _PykvEngine(path, plan.n_ctx, ctk_, ctv_, t, rot)
+            eng = _PykvEngine(path, plan.n_ctx, ctk_, ctv_, t, rot, device)
             path = eng.path            # resolved once (registry name -> file)
             info = eng.info()
             try:
@@ -423,7 +424,7 @@ def cmd_bench(args) -> int:
     rows = run_bench(args.model, n_prompt=args.n_prompt, n_gen=args.n_gen, depth=args.n_depth,
                      ctk=args.cache_type_k, ctv=args.cache_type_v, threads=args.threads,
                      reps=args.repetitions, kv_rotate=args.kv_rotate, compare_llamacpp=args.compare_llamacpp,
-                     flash_attn=args.flash_attn)
+                     flash_attn=args.flash_attn, device=args.device)
     if args.json:
         print(json.dumps(rows, indent=2, default=_json_default))
     else:
@@ -472,6 +473,8 @@ def register_cli(subparsers) -> None:
     p.add_argument("--compare-llamacpp", action="store_true",
                    help="also run the cells through llama-cpp-python and print pykv ÷ llama.cpp")
     p.add_argument("--json", action="store_true", help="print a JSON list of cells instead of a markdown table")
+    from .cli import device_arg
+    device_arg(p)
     p.set_defaults(func=cmd_bench)
 
 

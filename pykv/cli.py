@@ -22,6 +22,13 @@ def _model_args(p: argparse.ArgumentParser, with_prompt: bool = False) -> None:
                    help="Hadamard rotation of K/V before quantization (auto: on for quantized types)")
     p.add_argument("--kv-budget", default=None, help="cap the KV pool, e.g. 64MiB")
     p.add_argument("-t", "--threads", type=int, default=None, help="threads (default: all cores)")
+    device_arg(p)
+
+
+def device_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="where the model runs: cpu, or cuda (an NVIDIA GPU through numba.cuda; pip install "
+                        "'pykv[cuda]')")
 
 
 def _sampling_args(p: argparse.ArgumentParser, n_predict: int = 128, temp: float = 0.8) -> None:
@@ -63,7 +70,7 @@ def load_from_args(args, model_path, **kw):
     budget = parse_bytes(args.kv_budget) if args.kv_budget else None
     return load(model_path, n_ctx=args.ctx_size, kv_type_k=_kv_types(args.cache_type_k),
                 kv_type_v=_kv_types(args.cache_type_v), threads=args.threads, kv_rotate=rot,
-                kv_budget=budget, **kw)
+                kv_budget=budget, device=args.device, **kw)
 
 
 def cmd_run(args) -> int:

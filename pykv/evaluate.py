@@ -81,7 +81,7 @@ def cmd_perplexity(args) -> int:
     if args.kl_base:
         from .model import load
         base = load(model.path, n_ctx=args.ctx_size, kv_type_k=args.kl_base, kv_type_v=args.kl_base,
-                    threads=args.threads, kv_rotate=False, q8_act=args.q8_act)
+                    threads=args.threads, kv_rotate=False, q8_act=args.q8_act, device=args.device)
     res = perplexity(model, ids, args.ctx_size, base=base, max_chunks=args.chunks)
     if args.json:
         print(json.dumps(res))

@@ -37,14 +37,15 @@ def make_sampler(model, temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, repea
                                  repeat_penalty=repeat_penalty, seed=seed), model.n_vocab)
 
 
-def sample_loop(model, seq, logits, history, sampler, max_tokens, stops, stats):
-    """The sampling loop of Model.generate and of sessions: sample a token from `logits`, append it to
-    `history` (an end-of-generation token too), and feed it through `seq` only when another token
-    follows, so the last sampled id is never run (a session keeps it pending). Yields text pieces,
-    holding back a tail that may begin a stop string (stop strings match across token boundaries).
-    Sets stats['gen_tokens'] (excluding an end-of-generation token), stats['gen_s'] and
-    stats['finish_reason']: 'stop' (end-of-generation token or stop string) or 'length' (max_tokens,
-    or the context is full)."""
+def sample_loop(model, seq, feed, history, sampler, max_tokens, stops, stats):
+    """The sampling loop of Model.generate and of sessions: run `feed` (the prompt, or what the cache
+    lacks of it) through `seq`, sample a token where the logits are (Model.next_token: on a GPU only
+    the id comes down), append it to `history` (an end-of-generation token too), and feed it through
+    `seq` only when another token follows, so the last sampled id is never run (a session keeps it
+    pending). Yields text pieces, holding back a tail that may begin a stop string (stop strings match
+    across token boundaries). Sets stats['prompt_s'] (feed and first sample), stats['gen_tokens']
+    (excluding an end-of-generation token), stats['gen_s'] and stats['finish_reason']: 'stop'
+    (end-of-generation token or stop string) or 'length' (max_tokens, or the context is full)."""
     dec = StreamDecoder(model.tokenizer)
     pending, finish = "", "length"
     t0 = time.perf_counter()
@@ -52,9 +53,12 @@ def sample_loop(model, seq, logits, history, sampler, max_tokens, stops, stats):
         if i:
             if seq.n_tokens >= model.n_ctx:
                 break
-            logits = model.eval(seq, [history[-1]])[0]
+            tid = model.next_token(seq, [history[-1]], sampler, history)
             stats["gen_s"] = time.perf_counter() - t0
-        tid = sampler.sample(logits, history)
+        else:
+            tid = model.next_token(seq, feed, sampler, history)
+            stats["prompt_s"] = time.perf_counter() - t0
+            t0 = time.perf_counter()
         history.append(tid)
         if model.tokenizer.is_eog(tid):
             finish = "stop"
@@ -68,7 +72,12 @@ def sample_loop(model, seq, logits, history, sampler, max_tokens, stops, stats):
         if stopped:
             pending, finish = "", "stop"
             break
-    stats["gen_s"] = time.perf_counter() - t0
+    if max_tokens <= 0 and len(feed):    # nothing to sample: still run the prompt into the cache
+        t0 = time.perf_counter()
+        model.eval(seq, feed)
+        stats["prompt_s"] = time.perf_counter() - t0
+    else:
+        stats["gen_s"] = time.perf_counter() - t0
     stats["finish_reason"] = finish
     pending += dec.flush()
     n, _ = _stop_cut(pending, stops)
@@ -95,9 +104,6 @@ def generate(model, prompt, max_tokens=128, temperature=0.8, top_k=40, top_p=0.9
 
     def run():
         seq = model.new_sequence()
-        t0 = time.perf_counter()
-        logits = model.eval(seq, ids)[0]
-        stats["prompt_s"] = time.perf_counter() - t0
-        yield from sample_loop(model, seq, logits, list(ids), sampler, max_tokens, stops, stats)
+        yield from sample_loop(model, seq, ids, list(ids), sampler, max_tokens, stops, stats)
 
     return run()

@@ -5,7 +5,9 @@ Per layer, K and V each own a pool  uint8[KVH, n_pages, page_bytes]:
     slot s of a page is bytes [s*row_bytes, (s+1)*row_bytes) of each KV head: HD/QK blocks of one token;
     KIVI keys: one page quantized per channel across its P tokens (formats.kivi_page_bytes).
 Every layer uses the same page ids, so a sequence has ONE page table  int32[max_pages]  and a token
-count. Each token's K/V row is quantized once, when appended; KIVI types keep the newest, not yet
+count.  The pools, the per-sequence f16 rows and a device copy of the page table (uploaded by
+`reserve` only when it changed) live where the cache's backend runs its kernels (kernels.backend:
+`append` and `attend` call be.kvquant / be.attention, the CPU's or the cuda twins). Each token's K/V row is quantized once, when appended; KIVI types keep the newest, not yet
 full page as f16 rows in a per-sequence residual buffer  uint8[KVH, P, 2*HD]  and quantize the page
 once when it fills. Attention (kernels.attention.attend) reads the pools in place.
 """
@@ -18,8 +20,7 @@ import numpy as np
 
 from .config import Config, PykvError
 from .formats import KV_FORMATS, kivi_page_bytes, parse_kv_type, row_bytes
-from .kernels.attention import attend as _attend
-from .kernels.kvquant import append_rows, flush_residual, write_residual
+from .kernels.backend import get_backend
 
 F16 = KV_FORMATS["f16"]
 SMOOTH_ALPHA = 0.5   # key channels divided by (std)^alpha, queries multiplied by it (see smooth_stats)
@@ -60,12 +61,14 @@ class LayerKV:
 
 @dataclass
 class Sequence:
-    page_table: np.ndarray             # int32 (max_pages,), -1 = unallocated
+    page_table: np.ndarray             # int32 (max_pages,), -1 = unallocated (host)
     n_tokens: int = 0
+    pt_dev: object = None              # the page table where the kernels run (the same array on the CPU)
     residual: dict = field(default_factory=dict)   # (layer, "k"|"v") -> uint8 (KVH, P, 2*HD)
     sink: dict = field(default_factory=dict)       # (layer, "k"|"v") -> uint8 (KVH, N_SINK, 2*HD)
     k_shift: np.ndarray | None = None   # f32 (n_layers, KVH, HD): per-channel key mean removed before quantizing
     k_scale: np.ndarray | None = None   # f32 (n_layers, KVH, HD): keys divided, queries multiplied by it
+    # (residual, sink, k_shift, k_scale: backend arrays, on the device with the cuda backend)
 
 
 def _fmt_list(types, n_layers, what):
@@ -85,8 +88,9 @@ def _fmt_list(types, n_layers, what):
 class KVCache:
     F16_CODE = F16.code          # format of the residual rows
     def __init__(self, cfg: Config, n_ctx: int, k_types="f16", v_types="f16", page_tokens: int = 32,
-                 max_seqs: int = 1, kv_budget: int | None = None, k_smooth: bool = True):
+                 max_seqs: int = 1, kv_budget: int | None = None, k_smooth: bool = True, backend=None):
         self.cfg, self.n_ctx, self.P = cfg, int(n_ctx), int(page_tokens)
+        self.be = be = backend if backend is not None else get_backend("cpu")
         HD, KVH = cfg.head_dim, cfg.n_kv_heads
         if self.P <= 0:
             raise PykvError("page size must be positive")
@@ -108,15 +112,15 @@ class KVCache:
             n_pages = max_seqs * self.max_pages_per_seq
         self.n_pages = n_pages
         self.k_smooth = [bool(k_smooth) and f.kind in ("ggml", "fp8") for f in k_fmts]
-        self.layers = [LayerKV(kf, vf, np.zeros((KVH, n_pages, pk), np.uint8),
-                               np.zeros((KVH, n_pages, pv), np.uint8))
+        self.layers = [LayerKV(kf, vf, be.zeros((KVH, n_pages, pk), np.uint8),
+                               be.zeros((KVH, n_pages, pv), np.uint8))
                        for kf, vf, (pk, pv) in zip(k_fmts, v_fmts, self.page_bytes)]
         self.free_pages = list(range(n_pages - 1, -1, -1))
         self.page_refs = np.zeros(n_pages, np.int32)   # sequences holding each page (fork shares pages)
         self.ring = (KIVI_WINDOW + 1) * self.P   # residual rows per KV head: a ring of whole pages
-        self._dummy_res = np.zeros((KVH, self.ring, 2 * HD), np.uint8)
-        self._dummy_sink = np.zeros((KVH, N_SINK, 2 * HD), np.uint8)
-        self._tmp = np.zeros((KVH, self.P, HD), np.float32)
+        self._dummy_res = be.zeros((KVH, self.ring, 2 * HD), np.uint8)
+        self._dummy_sink = be.zeros((KVH, N_SINK, 2 * HD), np.uint8)
+        self._tmp = be.zeros((KVH, self.P, HD), np.float32)
 
     def _page_bytes(self, fmt, is_key: bool) -> int:
         if fmt.kind == "kivi" and is_key:
@@ -142,21 +146,25 @@ class KVCache:
     # ---- sequences ---------------------------------------------------------------------
     def new_sequence(self) -> Sequence:
         cfg = self.cfg
+        be = self.be
         seq = Sequence(np.full(self.max_pages_per_seq, -1, np.int32))
-        seq.k_shift = np.zeros((cfg.n_layers, cfg.n_kv_heads, cfg.head_dim), np.float32)   # identity
-        seq.k_scale = np.ones((cfg.n_layers, cfg.n_kv_heads, cfg.head_dim), np.float32)    # smoothing
+        seq.pt_dev = be.to_device(seq.page_table)
+        shape = (cfg.n_layers, cfg.n_kv_heads, cfg.head_dim)
+        seq.k_shift = be.to_device(np.zeros(shape, np.float32))   # identity smoothing
+        seq.k_scale = be.to_device(np.ones(shape, np.float32))
         for li, l in enumerate(self.layers):
             for name, fmt in (("k", l.k_fmt), ("v", l.v_fmt)):
                 if fmt.kind == "kivi":
-                    seq.residual[(li, name)] = np.zeros_like(self._dummy_res)
+                    seq.residual[(li, name)] = be.zeros(self._dummy_res.shape, np.uint8)
                 if fmt.kind != "float":
-                    seq.sink[(li, name)] = np.zeros_like(self._dummy_sink)
+                    seq.sink[(li, name)] = be.zeros(self._dummy_sink.shape, np.uint8)
         return seq
 
     def free_sequence(self, seq: Sequence) -> None:
         """Give the sequence's pages back to the pool (a page shared with a fork stays with it)."""
         self._drop_pages(seq, 0)
         seq.n_tokens = 0
+        self._upload(seq)
 
     def _drop_pages(self, seq: Sequence, first: int) -> None:
         for i in range(first, len(seq.page_table)):
@@ -191,13 +199,22 @@ class KVCache:
         for i in need:
             seq.page_table[i] = p = self.free_pages.pop()
             self.page_refs[p] = 1
+        if need or shared:
+            self._upload(seq)
+
+    def _upload(self, seq: Sequence) -> None:
+        """The device copy of the page table follows the host's (the same array on the CPU)."""
+        if seq.pt_dev is not seq.page_table:
+            seq.pt_dev = self.be.to_device(seq.page_table)
 
     def fork(self, seq: Sequence) -> Sequence:
         """A new sequence holding the same tokens: the pages are shared (copied on write, see
         reserve); the per-sequence f16 sink rows, KIVI ring and key smoothing are copied."""
+        cp = self._copy
         new = Sequence(seq.page_table.copy(), seq.n_tokens,
-                       {k: v.copy() for k, v in seq.residual.items()}, {k: v.copy() for k, v in seq.sink.items()},
-                       seq.k_shift.copy(), seq.k_scale.copy())
+                       residual={k: cp(v) for k, v in seq.residual.items()},
+                       sink={k: cp(v) for k, v in seq.sink.items()}, k_shift=cp(seq.k_shift), k_scale=cp(seq.k_scale))
+        new.pt_dev = self.be.to_device(new.page_table)
         held = seq.page_table[seq.page_table >= 0]
         self.page_refs[held] += 1
         return new
@@ -217,6 +234,11 @@ class KVCache:
             raise PykvError(f"cannot cut a sequence of {seq.n_tokens} tokens back to {n} exactly")
         self._drop_pages(seq, math.ceil(n / self.P))
         seq.n_tokens = n
+        self._upload(seq)
+
+    def _copy(self, a):
+        """A copy of a backend array, on the same backend."""
+        return self.be.to_device(np.array(self.be.to_host(a)))
 
     def n_pages_held(self, seq: Sequence) -> int:
         """Pages in the sequence's page table (shared ones included)."""
@@ -274,13 +296,13 @@ class KVCache:
     def append(self, li: int, seq: Sequence, k: np.ndarray, v: np.ndarray) -> None:
         """Quantize k, v (T, KVH, HD) f32 for positions seq.n_tokens .. + T into layer li.
         The caller advances seq.n_tokens once all layers are appended."""
-        l = self.layers[li]
+        l, kq = self.layers[li], self.be.kvquant
         for x, fmt, pool, name in ((k, l.k_fmt, l.k_pool, "k"), (v, l.v_fmt, l.v_pool, "v")):
             if fmt.kind != "float" and seq.n_tokens < N_SINK:
                 e = min(x.shape[0], N_SINK - seq.n_tokens)
-                write_residual(x[:e], seq.sink[(li, name)], seq.n_tokens, N_SINK, F16.code)
+                kq.write_residual(x[:e], seq.sink[(li, name)], seq.n_tokens, N_SINK, F16.code)
             if fmt.kind != "kivi":
-                append_rows(x, pool, seq.page_table, seq.n_tokens, self.P, fmt.code)
+                kq.append_rows(x, pool, seq.pt_dev, seq.n_tokens, self.P, fmt.code)
                 continue
             # KIVI: the newest KIVI_WINDOW + 1 pages live in f16 rows (a ring); a page is quantized
             # once, when the token that pushes it out of that window arrives, so the queries of a
@@ -292,10 +314,10 @@ class KVCache:
             while j < end:
                 pf = j // self.P - 1 - KIVI_WINDOW     # the page leaving the f16 window
                 if j % self.P == 0 and pf >= 0:
-                    flush_residual(res, (pf * self.P) % self.ring, pool, seq.page_table[pf], self.P,
+                    kq.flush_residual(res, (pf * self.P) % self.ring, pool, seq.page_table[pf], self.P,
                                    F16.code, fmt.code, bits, self._tmp)
                 seg = min((j // self.P + 1) * self.P, end)
-                write_residual(x[j - seq.n_tokens:seg - seq.n_tokens], res, j, self.ring, F16.code)
+                kq.write_residual(x[j - seq.n_tokens:seg - seq.n_tokens], res, j, self.ring, F16.code)
                 j = seg
 
     def smooth_stats(self, li: int, seq: Sequence, k: np.ndarray) -> None:
@@ -304,7 +326,10 @@ class KVCache:
         dividing key channels by s while multiplying query channels by s keeps q.k: attention is
         unchanged in exact arithmetic, while the block quantizer no longer spends its range on the
         large per-channel bias and spread of LLaMA keys (ops.qkv_prep applies it; the attention-sink
-        token 0 is left out of the statistics)."""
+        token 0 is left out of the statistics).  With a device backend the batch's keys are copied to
+        the host once (one (T, KVH, HD) copy per layer, at a sequence's first batch only) and the two
+        (KVH, HD) results go back up: too little work for a kernel of its own."""
+        k = self.be.to_host(k)
         ks = k[1:] if k.shape[0] > 1 else k
         mu = ks.mean(axis=0)
         seq.k_shift[li] = mu
@@ -312,7 +337,7 @@ class KVCache:
             sd = np.sqrt(((ks - mu) ** 2).mean(axis=0))           # (KVH, HD)
             sd = np.maximum(sd, 1e-2 * sd.max(axis=1, keepdims=True) + 1e-12)
             sc = sd ** SMOOTH_ALPHA
-            seq.k_scale[li] = sc / np.exp(np.log(sc).mean(axis=1, keepdims=True))
+            seq.k_scale[li] = (sc / np.exp(np.log(sc).mean(axis=1, keepdims=True))).astype(np.float32)
 
     def n_quantized(self, fmt, n_tokens: int) -> int:
         """Tokens read from the pool (the rest come from the f16 residual: KIVI's newest page)."""
@@ -343,11 +368,28 @@ class KVCache:
         at positions n_past .. n_past + T - 1, whose K/V are already appended; out (T, H, HD).
         part: scratch (T, KVH, C, G, HD + 2) with C >= ceil((n_past + T) / chunk)."""
         l, n_tot = self.layers[li], n_past + q.shape[0]
-        _attend(q, l.k_pool, l.v_pool, self.residual(seq, li, "k"), self.residual(seq, li, "v"),
-                self.sink(seq, li, "k"), self.sink(seq, li, "v"), seq.page_table, n_past,
+        self.be.attention.attend(
+                q, l.k_pool, l.v_pool, self.residual(seq, li, "k"), self.residual(seq, li, "v"),
+                self.sink(seq, li, "k"), self.sink(seq, li, "v"), seq.pt_dev, n_past,
                 self.n_sink(l.k_fmt, n_tot), self.n_sink(l.v_fmt, n_tot),
                 self.n_quantized(l.k_fmt, n_tot), self.n_quantized(l.v_fmt, n_tot), self.P,
                 l.k_fmt.code, l.k_bits, l.v_fmt.code, self.F16_CODE, chunk, part, out)
+
+    def attend_batch(self, li: int, seqs, q, chunk: int, part, out) -> None:
+        """One decode query per sequence (their newest token, already appended): q (S, H, HD) -> out
+        (S, H, HD) through kernels' attend_batch, one launch for all S sequences; part (S, KVH, C, G,
+        HD + 2) with C >= ceil(max n_tokens / chunk).  The sequences' f16 sink / residual rows and
+        page tables are stacked into (S, ...) arrays here, a staging copy per call (fine for the
+        bandwidth benchmark; batched serving will keep them in per-slot pools instead)."""
+        l, be = self.layers[li], self.be
+        meta = np.array([(s.n_tokens, self.n_sink(l.k_fmt, s.n_tokens), self.n_sink(l.v_fmt, s.n_tokens),
+                          self.n_quantized(l.k_fmt, s.n_tokens), self.n_quantized(l.v_fmt, s.n_tokens))
+                         for s in seqs], np.int32)
+        stack = [be.to_device(np.stack([be.to_host(f(s, li, name)) for s in seqs]))
+                 for f, name in ((self.residual, "k"), (self.residual, "v"), (self.sink, "k"), (self.sink, "v"))]
+        be.attention.attend_batch(q, l.k_pool, l.v_pool, *stack,
+                                  be.to_device(np.stack([s.page_table for s in seqs])), be.to_device(meta),
+                                  self.P, l.k_fmt.code, l.k_bits, l.v_fmt.code, self.F16_CODE, chunk, part, out)
 
     def n_sink(self, fmt, n_tokens: int) -> int:
         """Tokens read from the exact f16 sink rows: quantization error on the attention-sink

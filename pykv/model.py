@@ -12,8 +12,8 @@ from gguf import GGMLQuantizationType as GT
 from .config import Config, ContextWarning, PykvError
 from .gguf_io import WEIGHT_TYPES, GGUFFile, open_model
 from .kernels import matmul as mm
-from .kernels.ops import (add_inplace, add_rmsnorm_act, attn_out_act, qkv_prep, rmsnorm, rmsnorm_act, rope,
-                          rope_tables, swiglu_act)
+from .kernels.backend import Backend, get_backend
+from .kernels.ops import rope_tables
 from .kv_cache import KVCache, Sequence
 from .tokenizer import Tokenizer
 
@@ -45,7 +45,9 @@ class Weights:
     rope_freqs: np.ndarray | None = None   # (n_rot/2,) f32 rope_freqs.weight: Llama 3's per-pair frequency divisors
 
     @classmethod
-    def load(cls, gf: GGUFFile, cfg: Config, q8_act: bool = True) -> "Weights":
+    def load(cls, gf: GGUFFile, cfg: Config, q8_act: bool = True, be: Backend | None = None) -> "Weights":
+        """Every weight prepared (and uploaded) for backend be (default: the CPU)."""
+        be = be or get_backend("cpu")
         D, FF, V, KV = cfg.dim, cfg.ff_dim, cfg.n_vocab, cfg.kv_dim
 
         def mat(name, rows, cols):
@@ -53,12 +55,12 @@ class Weights:
             if ti.ggml_type not in WEIGHT_TYPES:
                 raise PykvError(f"tensor {name} has unsupported type {GT(ti.ggml_type).name}")
             try:
-                return mm.prepare_weight(ti.ggml_type, ti.data, rows, cols, q8_act)
+                return be.matmul.prepare_weight(ti.ggml_type, ti.data, rows, cols, q8_act)
             except ValueError as e:
                 raise PykvError(f"tensor {name}: {e}") from None
 
         def vec(name):
-            return np.ascontiguousarray(gf.tensor(name, (D,), NORM_TYPES).data, dtype=np.float32)
+            return be.to_device(np.ascontiguousarray(gf.tensor(name, (D,), NORM_TYPES).data, dtype=np.float32))
 
         layers = []
         for l in range(cfg.n_layers):
@@ -87,38 +89,43 @@ class Weights:
 
 
 class RunState:
-    """Every activation buffer, allocated once per model (never per token). B = max tokens per batch."""
+    """Every activation buffer, allocated once per model (never per token) where backend be's kernels
+    run. B = max tokens per batch."""
 
-    def __init__(self, cfg: Config, n_batch: int, n_chunks: int):
+    def __init__(self, cfg: Config, n_batch: int, n_chunks: int, be: Backend):
         B, D, FF, H, KVH, HD = n_batch, cfg.dim, cfg.ff_dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        f = np.float32
-        self.x = np.zeros((B, D), f)            # residual stream
-        self.h = np.zeros((B, D), f)            # normed input of a sub-block
-        self.q = np.zeros((B, H * HD), f)
-        self.k = np.zeros((B, KVH * HD), f)
-        self.v = np.zeros((B, KVH * HD), f)
-        self.att = np.zeros((B, H * HD), f)     # attention output (per head, concatenated)
-        self.o = np.zeros((B, D), f)            # projection output added to x
-        self.g = np.zeros((B, FF), f)
-        self.u = np.zeros((B, FF), f)
-        self.logits = np.zeros((B, cfg.n_vocab), f)
-        self.act_d = mm.Act(D, B)               # quantized activations, reused by Q/K/V, gate/up, head
-        self.act_ff = mm.Act(FF, B)
+        z = be.zeros
+        self.x = z((B, D))            # residual stream
+        self.h = z((B, D))            # normed input of a sub-block
+        self.q = z((B, H * HD))
+        self.k = z((B, KVH * HD))
+        self.v = z((B, KVH * HD))
+        self.att = z((B, H * HD))     # attention output (per head, concatenated)
+        self.o = z((B, D))            # projection output added to x
+        self.g = z((B, FF))
+        self.u = z((B, FF))
+        self.logits = z((B, cfg.n_vocab))
+        self.act_d = be.matmul.Act(D, B)     # matmul activations, reused by Q/K/V, gate/up, head
+        self.act_ff = be.matmul.Act(FF, B)
         G = H // KVH
         # attention partials: (T, KVH, C, G, HD + 2), sized for the larger of prefill (C=1) and decode
-        self.part = np.zeros(max(B, n_chunks) * KVH * G * (HD + 2), f)
+        self.part = z(max(B, n_chunks) * KVH * G * (HD + 2))
 
 
 class Model:
     def __init__(self, path=None, *, n_ctx: int = 2048, kv_type_k="f16", kv_type_v="f16", threads=None,
                  kv_rotate=None, page_tokens: int = 32, n_batch: int = 256, kv_budget=None, kv_smooth=True,
-                 q8_act: bool = True, max_seqs: int = 1):
+                 q8_act: bool = True, max_seqs: int = 1, device: str = "cpu"):
         """q8_act: activations quantized to 8-bit blocks for integer-dot weight kernels (llama.cpp's
         scheme; the fast path where the CPU has AVX-512 VNNI). False: float activations, slower but
         free of q8 rounding flips, which make two runs whose inputs differ by float rounding drift
         apart (f32 vs f16 KV cache: KL 0.0044 with q8 activations, 0.00000 without); `pykv perplexity`
         uses False to measure KV formats. max_seqs: the KV pool holds that many full contexts (shared by
-        model.generate and every Session) unless kv_budget sets its size in bytes."""
+        model.generate and every Session) unless kv_budget sets its size in bytes.
+        device: "cpu" or "cuda" (numba.cuda: weights, run state and KV cache on the GPU; float activations);
+        the backend (kernels.backend) is picked here, once."""
+        self.be = get_backend(device)   # first: a missing GPU / extra fails before any model fetch
+        self.device = self.be.name
         if path is None or not os.path.exists(path):   # the default model or a registry name
             from .models import ModelFetchError, resolve_model
             try:
@@ -139,26 +146,27 @@ class Model:
             warnings.warn(f"context size {self.n_ctx} is above the model's training context {cfg.n_ctx_train}: "
                           "quality may drop past it", ContextWarning, stacklevel=3)
         self.q8_act = bool(q8_act)
-        self.weights = Weights.load(self.gguf, cfg, self.q8_act)
+        self.weights = Weights.load(self.gguf, cfg, self.q8_act, self.be)
         self.tokenizer = Tokenizer.from_metadata(self.gguf.metadata)
         self._kv_opts = {"page_tokens": page_tokens, "kv_budget": kv_budget, "k_smooth": kv_smooth,
                          "max_seqs": max_seqs}
         self.n_batch = int(n_batch)
-        self.max_chunks = 8 * numba.config.NUMBA_NUM_THREADS + 2
-        self.state = RunState(cfg, self.n_batch, self.max_chunks)
-        self.cos, self.sin = rope_tables(self.n_ctx, cfg.rope_dims, cfg.rope_base, cfg.rope_freq_scale,
+        self.max_chunks = 8 * self.be.max_workers + 2
+        self.state = RunState(cfg, self.n_batch, self.max_chunks, self.be)
+        cos, sin = rope_tables(self.n_ctx, cfg.rope_dims, cfg.rope_base, cfg.rope_freq_scale,
                                          self.weights.rope_freqs, cfg.yarn_ext_factor, cfg.yarn_attn_mul,
                                          cfg.yarn_beta_fast, cfg.yarn_beta_slow, cfg.rope_orig_ctx)
+        self.cos, self.sin = self.be.to_device(cos), self.be.to_device(sin)
         self.set_kv_types(kv_type_k, kv_type_v, kv_rotate)
         self.q_mul = np.float32(1.0 / np.sqrt(cfg.head_dim))
-        self.rot_sign = np.random.default_rng(ROTATE_SEED).choice(
-            np.array([-1.0, 1.0], np.float32), cfg.head_dim).astype(np.float32)
+        self.rot_sign = self.be.to_device(np.random.default_rng(ROTATE_SEED).choice(
+            np.array([-1.0, 1.0], np.float32), cfg.head_dim).astype(np.float32))
         self.last_stats: dict = {}
 
     def set_kv_types(self, kv_type_k="f16", kv_type_v="f16", kv_rotate=None) -> None:
         """A fresh KV cache of these types (same context, pages, budget and key smoothing) and its
         rotation default; the weights stay loaded. The old cache's sequence is dropped."""
-        self.cache = KVCache(self.config, self.n_ctx, kv_type_k, kv_type_v, **self._kv_opts)
+        self.cache = KVCache(self.config, self.n_ctx, kv_type_k, kv_type_v, backend=self.be, **self._kv_opts)
         self.rotate = self._rotate_default(kv_rotate)
         self.seq: Sequence | None = None
 
@@ -188,12 +196,13 @@ class Model:
     # ---- forward -----------------------------------------------------------------------------
     def _layer(self, li: int, seq: Sequence, T: int) -> None:
         cfg, st, lw, cache = self.config, self.state, self.weights.layers[li], self.cache
+        ops, mm = self.be.ops, self.be.matmul
         H, KVH, HD = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         x, ad, af = st.x[:T], st.act_d, st.act_ff
         if li == 0:
-            rmsnorm_act(x, lw.attn_norm, cfg.norm_eps, ad.x, ad.xf)
+            ops.rmsnorm_act(x, lw.attn_norm, cfg.norm_eps, ad.x, ad.xf)
         else:   # the previous layer's FFN output is still in st.o: x += o and the norm in one call
-            add_rmsnorm_act(x, st.o[:T], lw.attn_norm, cfg.norm_eps, ad.x, ad.xf)
+            ops.add_rmsnorm_act(x, st.o[:T], lw.attn_norm, cfg.norm_eps, ad.x, ad.xf)
         ad.mark(T)
         q, k, v = st.q[:T], st.k[:T], st.v[:T]
         mm.matmul_fused((lw.wq, lw.wk, lw.wv), ad, (q, k, v))
@@ -202,36 +211,37 @@ class Model:
         smooth = cache.k_smooth[li]
         do_rope = not (smooth and n_past == 0)
         if not do_rope:          # a sequence's first batch fixes the key smoothing from its roped keys
-            rope(q3, n_past, self.cos, self.sin, cfg.rope_dims)
-            rope(k3, n_past, self.cos, self.sin, cfg.rope_dims)
+            ops.rope(q3, n_past, self.cos, self.sin, cfg.rope_dims)
+            ops.rope(k3, n_past, self.cos, self.sin, cfg.rope_dims)
             cache.smooth_stats(li, seq, k3)
-        qkv_prep(q3, k3, v3, n_past, self.cos, self.sin, cfg.rope_dims, do_rope, seq.k_shift[li],
-                 seq.k_scale[li], smooth, self.rot_sign, self.rotate, self.q_mul)
+        ops.qkv_prep(q3, k3, v3, n_past, self.cos, self.sin, cfg.rope_dims, do_rope, seq.k_shift[li],
+                     seq.k_scale[li], smooth, self.rot_sign, self.rotate, self.q_mul)
         cache.append(li, seq, k3, v3)
         n_tot = n_past + T
-        chunk = cache.chunk_for(n_tot, T, numba.get_num_threads())
+        chunk = cache.chunk_for(n_tot, T, self.be.workers())
         C = -(-n_tot // chunk)
         part = st.part[:T * KVH * C * (H // KVH) * (HD + 2)].reshape(T, KVH, C, H // KVH, HD + 2)
         att3 = st.att[:T].reshape(T, H, HD)
         cache.attend(li, seq, q3, n_past, chunk, part, att3)
-        attn_out_act(att3, self.rot_sign, self.rotate, ad.x, ad.xf)
+        ops.attn_out_act(att3, self.rot_sign, self.rotate, ad.x, ad.xf)
         ad.mark(T)
         o = st.o[:T]
         mm.matmul(lw.wo, ad, o)
-        add_rmsnorm_act(x, o, lw.ffn_norm, cfg.norm_eps, ad.x, ad.xf)
+        ops.add_rmsnorm_act(x, o, lw.ffn_norm, cfg.norm_eps, ad.x, ad.xf)
         ad.mark(T)
         mm.matmul_fused((lw.w_gate, lw.w_up), ad, (st.g[:T], st.u[:T]))
-        swiglu_act(st.g[:T], st.u[:T], af.x, af.xf)
+        ops.swiglu_act(st.g[:T], st.u[:T], af.x, af.xf)
         af.mark(T)
         mm.matmul(lw.w_down, af, o)
         if li == cfg.n_layers - 1:
-            add_inplace(x, o)
+            ops.add_inplace(x, o)
         # else: the next layer's add_rmsnorm_act adds o to x
 
     def _batch(self, seq: Sequence, ids: np.ndarray, all_logits: bool, need_logits: bool = True):
         """Run T <= n_batch tokens at positions seq.n_tokens.. ; returns logits (T or 1, V) (a view),
         or None when need_logits is False."""
         T, st, w = len(ids), self.state, self.weights
+        ops, mm = self.be.ops, self.be.matmul
         self.cache.reserve(seq, T)
         mm.get_rows(w.token_embd, ids, st.x[:T])
         for li in range(self.config.n_layers):
@@ -241,13 +251,28 @@ class Model:
             return None
         rows = st.x[:T] if all_logits else st.x[T - 1:T]
         n = rows.shape[0]
-        rmsnorm(rows, w.output_norm, self.config.norm_eps, st.h[:n])
+        ops.rmsnorm(rows, w.output_norm, self.config.norm_eps, st.h[:n])
         st.act_d.set(st.h[:n])
         mm.matmul(w.output, st.act_d, st.logits[:n])
         return st.logits[:n]
 
     def eval(self, seq: Sequence, ids, all_logits: bool = False, progress=None) -> np.ndarray:
-        """Feed ids through the cache of `seq`. Returns logits (len(ids), V) or (1, V) for the last token."""
+        """Feed ids through the cache of `seq`. Returns host logits (len(ids), V) or (1, V) for the last token."""
+        if all_logits:
+            out = np.zeros((len(ids), self.n_vocab), np.float32)
+            self._feed(seq, ids, out, progress)
+            return out
+        return self.be.to_host(self._feed(seq, ids, None, progress)).reshape(1, self.n_vocab).copy()
+
+    def next_token(self, seq: Sequence, ids, sampler, history) -> int:
+        """Feed ids, then one token sampled from the last logits where they are (on a GPU only the id
+        comes down): the backend's sampler.pick with the uniform draw of `sampler` (pykv.sampler.Sampler)."""
+        row = self._feed(seq, ids, None, None)
+        return int(self.be.sampler.pick(row, sampler, history, sampler.draw()))
+
+    def _feed(self, seq: Sequence, ids, out, progress):
+        """Run ids in batches; out (len(ids), V) host array: every token's logits copied there; None:
+        returns the last token's logits (1, V), a view of the backend's run state."""
         ids = np.asarray(ids, dtype=np.int64)
         if ids.ndim != 1 or len(ids) == 0:
             raise PykvError("expected a non-empty list of token ids")
@@ -255,16 +280,14 @@ class Model:
             raise PykvError(f"token id out of range [0, {self.n_vocab})")
         if seq.n_tokens + len(ids) > self.n_ctx:
             raise PykvError(f"{seq.n_tokens + len(ids)} tokens exceed the context size {self.n_ctx} (use -c)")
-        out = np.zeros((len(ids) if all_logits else 1, self.n_vocab), np.float32)
         try:
-            self._eval_batches(seq, ids, all_logits, progress, out)
+            return self._eval_batches(seq, ids, out, progress)
         except ZeroDivisionError:     # a Numba kernel divided by a sum of NaN/inf activations
             raise PykvError(f"{self.path}: the forward pass overflowed to inf/NaN (weights too large "
                             "for float32 activations)") from None
-        return out
 
-    def _eval_batches(self, seq: Sequence, ids: np.ndarray, all_logits: bool, progress, out: np.ndarray) -> None:
-        s = 0
+    def _eval_batches(self, seq: Sequence, ids: np.ndarray, out, progress):
+        all_logits, last_row, s = out is not None, None, 0
         while s < len(ids):
             n = min(self.n_batch, len(ids) - s)
             lim = self.cache.kivi_batch_limit(seq.n_tokens)
@@ -273,12 +296,13 @@ class Model:
             last = s + n == len(ids)
             part = self._batch(seq, ids[s:s + n], all_logits, need_logits=all_logits or last)
             if all_logits:
-                out[s:s + n] = part
+                out[s:s + n] = self.be.to_host(part)
             elif last:
-                out[0] = part[-1]
+                last_row = part[-1:]
             s += n
             if progress is not None:
                 progress(s)
+        return last_row
 
     def new_sequence(self) -> Sequence:
         if self.seq is not None:

@@ -118,13 +118,24 @@ class Sampler:
         # temperature -> unnormalised softmax weights
         return idx, np.exp((vals - vmax) / temp)
 
-    def sample(self, logits: np.ndarray, history: Sequence[int]) -> int:
+    def draw(self) -> float:
+        """The uniform number in [0, 1) of one sampling step (0.0 when greedy: nothing is drawn)."""
+        return float(self.rng.random()) if self.params.temperature > 0 else 0.0
+
+    def pick(self, logits: np.ndarray, history: Sequence[int], u: float) -> int:
+        """One token for the uniform draw u (ignored when greedy): the candidates in descending order
+        of logit (ties: lower id first), the first whose cumulative weight exceeds u times the total.
+        The device sampler (kernels.cuda.sampler) gives the same id for the same u."""
         if self.params.temperature <= 0:
             return self.greedy(logits, history)
         idx, w = self.candidates(logits, history)
         if idx.size == 1:
             return int(idx[0])
+        order = np.lexsort((idx, -w))
+        idx, w = idx[order], w[order]
         cdf = np.cumsum(w)
-        r = self.rng.random() * cdf[-1]
-        j = int(np.searchsorted(cdf, r, side="right"))
+        j = int(np.searchsorted(cdf, u * cdf[-1], side="right"))
         return int(idx[min(j, idx.size - 1)])
+
+    def sample(self, logits: np.ndarray, history: Sequence[int]) -> int:
+        return self.pick(logits, history, self.draw())

@@ -70,6 +70,8 @@ class Session:
     `n_generated` (all calls). `close()` gives the pages back (also done when it is collected)."""
 
     def __init__(self, model, _seq=None):
+        if model.be.name != "cpu":   # copy-on-write and state files copy pages with numpy indexing
+            raise PykvError(f"sessions run on the CPU backend for now (this model is on {model.be.name})")
         self.model = model
         self.cache = model.cache
         self.seq = _seq if _seq is not None else self.cache.new_sequence()
@@ -135,9 +137,9 @@ class Session:
         return s
 
     # ---- feeding -------------------------------------------------------------------------------
-    def _prefill(self, ids, stats) -> np.ndarray:
-        """Make the cache hold ids[:-1] and run ids[-1]; returns its logits (V,). Reuses the longest
-        cached prefix (all but the last id, whose logits are needed) and cuts the rest."""
+    def _prefill(self, ids, stats) -> list:
+        """Cut the cache back to the longest cached prefix of ids (all but the last id, whose logits
+        are needed) and return the ids still to feed (ids[k:], at least the last one)."""
         cache, seq = self.cache, self.seq
         n = seq.n_tokens
         k = min(_common_prefix(self.tokens[:n], ids), len(ids) - 1)
@@ -148,7 +150,7 @@ class Session:
         self.tokens = list(ids)                   # tokens[:n_cached] is what the cache holds, always
         stats["cached_tokens"], stats["prefill_tokens"] = k, len(ids) - k
         self.n_prefilled += len(ids) - k
-        return self.model.eval(seq, ids[k:])[0]
+        return ids[k:]
 
     def _room(self, n_prompt: int, max_tokens) -> int:
         n_ctx = self.model.n_ctx
@@ -181,10 +183,8 @@ class Session:
             try:
                 if self._epoch != epoch:
                     raise PykvError("this session started another call before this one ran")
-                t0 = time.perf_counter()
-                logits = self._prefill(ids, stats)
-                stats["prompt_s"] = time.perf_counter() - t0
-                for piece in sample_loop(self.model, self.seq, logits, self.tokens, sampler, max_new, stops, stats):
+                feed = self._prefill(ids, stats)
+                for piece in sample_loop(self.model, self.seq, feed, self.tokens, sampler, max_new, stops, stats):
                     text.append(piece)
                     yield piece
                     if self._epoch != epoch:

@@ -174,18 +174,22 @@ B2U = bytes_to_unicode()
 
 
 def write_tiny_gguf(path, types, *, dim=256, ff=512, n_heads=4, n_kv=2, n_layers=2, seed=0,
-                    tied=True, rope_base=10000.0, rope_dims=None):
+                    tied=True, rope_base=10000.0, rope_dims=None, n_vocab=None, n_ctx=512):
     """A tiny random llama GGUF; `types` maps a weight role ('attn_q', ..., 'token_embd', 'output')
-    or 'default' to a ggml type. Tokenizer: gpt2 BPE over the 256 byte tokens + <s>, </s> + merges."""
+    or 'default' to a ggml type. Tokenizer: gpt2 BPE over the 256 byte tokens + <s>, </s> + merges,
+    padded with unreachable filler tokens to n_vocab (a real model's vocabulary size) when given."""
     import gguf
     rng = np.random.default_rng(seed)
     toks = [B2U[b] for b in range(256)] + ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "Ġt", "Ġth", "Ġthe"]
     merges = ["Ġ t", "Ġt h", "Ġth e"]
     ttype = [1] * 256 + [3, 3, 3, 1, 1, 1]
+    if n_vocab is not None and n_vocab > len(toks):
+        fill = n_vocab - len(toks)
+        toks, ttype = toks + [f"<fill{i}>" for i in range(fill)], ttype + [1] * fill
     V = len(toks)
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_block_count(n_layers)
-    w.add_context_length(512)
+    w.add_context_length(n_ctx)
     w.add_embedding_length(dim)
     w.add_feed_forward_length(ff)
     w.add_head_count(n_heads)
@@ -199,8 +203,8 @@ def write_tiny_gguf(path, types, *, dim=256, ff=512, n_heads=4, n_kv=2, n_layers
     w.add_token_list(toks)
     w.add_token_types(ttype)
     w.add_token_merges(merges)
-    w.add_bos_token_id(V - 6 + 0)
-    w.add_eos_token_id(V - 6 + 0)
+    w.add_bos_token_id(256)
+    w.add_eos_token_id(256)
     w.add_add_bos_token(False)
     hd = dim // n_heads
 

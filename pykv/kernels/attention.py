@@ -365,3 +365,16 @@ def _merge(part, C, G, t, h, out):
     inv = 1.0 / lsum
     for i in range(HD):
         out[t, h, i] *= inv
+
+
+def attend_batch(q, kpool, vpool, kres, vres, ksink, vsink, page_tables, meta, P, kcode, kbits, vcode, rcode,
+                 chunk, part, out):
+    """One decode query per sequence: q (S, H, HD) -> out (S, H, HD) over S sequences of one layer's
+    pools.  Sequence s: kres/vres[s] (KVH, RING, 2*HD), ksink/vsink[s] (KVH, NS, 2*HD), page_tables[s]
+    (max_pages,) int32, meta[s] = (n_tokens incl. the query's, ns_k, ns_v, nq_k, nq_v) (KVCache.attend's
+    quantities); part (S, KVH, C, G, HD + 2), C >= ceil(max n_tokens / chunk).  The CPU runs attend
+    per sequence; the cuda twin runs all S in one launch (the bandwidth benchmark, batched decode)."""
+    for s in range(q.shape[0]):
+        n, ns_k, ns_v, nq_k, nq_v = (int(v) for v in meta[s])
+        attend(q[s:s + 1], kpool, vpool, kres[s], vres[s], ksink[s], vsink[s], page_tables[s], n - 1, ns_k,
+               ns_v, nq_k, nq_v, P, kcode, kbits, vcode, rcode, chunk, part[s:s + 1], out[s:s + 1])

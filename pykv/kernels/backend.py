@@ -1,8 +1,8 @@
 """The backend seam: one object, picked once when a model loads, that names the kernel modules and
 the array helpers the forward pass uses.
 
-    cpu   pykv.kernels.{matmul, ops, kvquant, attention}       numpy arrays, @njit(parallel=True)
-    cuda  pykv.kernels.cuda.{matmul, ops, kvquant, attention}  numba.cuda device arrays
+    cpu   pykv.kernels.{matmul, ops, kvquant, attention, sampler}       numpy arrays, @njit(parallel=True)
+    cuda  pykv.kernels.cuda.{matmul, ops, kvquant, attention, sampler}  numba.cuda device arrays
 
 Twin modules have the same function names and arguments, so `model.py` and `kv_cache.py` call
 `be.ops.rmsnorm_act(...)` and never branch on the device. Arrays a backend hands out (`zeros`,
@@ -19,17 +19,19 @@ import numpy as np
 from ..config import PykvError
 
 DEVICES = ("cpu", "cuda")
-KERNEL_MODULES = ("matmul", "ops", "kvquant", "attention")
+KERNEL_MODULES = ("matmul", "ops", "kvquant", "attention", "sampler")
 
 
 class Backend:
-    """name: "cpu" | "cuda"; matmul, ops, kvquant, attention: the kernel modules of that device."""
+    """name: "cpu" | "cuda"; matmul, ops, kvquant, attention, sampler: the kernel modules of that device
+    (sampler.pick: a token id from a logits row of this device)."""
 
     name: str
     matmul: ModuleType
     ops: ModuleType
     kvquant: ModuleType
     attention: ModuleType
+    sampler: ModuleType
 
     def __init__(self, name: str, package: str):
         self.name = name
@@ -47,6 +49,16 @@ class Backend:
 
     def synchronize(self) -> None:
         pass
+
+    def workers(self) -> int:
+        """Parallel workers the attention split aims at (KVCache.chunk_for): CPU threads in use."""
+        import numba
+        return numba.get_num_threads()
+
+    @property
+    def max_workers(self) -> int:
+        import numba
+        return numba.config.NUMBA_NUM_THREADS
 
 
 class CudaBackend(Backend):
@@ -68,6 +80,19 @@ class CudaBackend(Backend):
 
     def synchronize(self) -> None:
         self.cuda.synchronize()
+
+    def workers(self) -> int:
+        """The GPU's streaming multiprocessors (1 under the simulator)."""
+        return self.max_workers
+
+    @property
+    def max_workers(self) -> int:
+        if not hasattr(self, "_sms"):
+            try:
+                self._sms = int(self.cuda.get_current_device().MULTIPROCESSOR_COUNT)
+            except Exception:     # the simulator's device has no attributes
+                self._sms = 1
+        return self._sms
 
 
 _CACHE: dict = {}

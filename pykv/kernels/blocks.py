@@ -13,6 +13,12 @@ values to the C-contiguous float32 array `out` from flat element offset `oo`:
         deq_f32, deq_f16, deq_bf16;  deq_fp8 (+ e4m3: the row's f32 scale at so, the codes after it)
     deq_rows(code, src, o0, rb, n, out)         n KV rows of any format (row r at byte o0 + r * rb) -> out[n, HD]
     deq_kivi_k_rows(bits, page, s0, n, out, dk, mk)   tokens s0 .. s0+n of a KIVI key page -> out[n, HD]
+    deq_unit(code, src, ro, b, HD, out, oo)     piece b of one KV row (kvquant.row_units' pieces: a
+                                                32-value block, or a whole fp8 row) -> out[oo + 32b ...]
+    deq_kivi_k_unit(bits, page, s, b, HD, out, oo)   channels 32b .. 32b+31 of token s of a KIVI key page
+The two *_unit decoders are the per-thread work of kernels.cuda.attention (they call the same block
+decoders; numba.cuda compiles these @njit functions for the GPU, so everything here keeps to the
+CUDA-compatible subset: scalars, array indexing, the simd intrinsics; no allocation, no numpy calls).
 
 All are ``inline='always'`` without fast-math flags of their own: inlined code is lowered with the
 CALLER's flags, so kvquant and matmul (no fast-math) get values bit-exact with gguf.quants.dequantize
@@ -33,7 +39,7 @@ KVALUES_IQ4NL = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 3
 IQ4NL_F = KVALUES_IQ4NL.astype(np.float32)
 
 __all__ = ["deq_q8_0", "deq_q4_0", "deq_q4_1", "deq_q5", "deq_iq4_nl", "deq_int2", "deq_f32",
-           "deq_f16", "deq_bf16", "deq_fp8", "deq_rows", "deq_kivi_k_rows", "rd_f16",
+           "deq_f16", "deq_bf16", "deq_fp8", "deq_rows", "deq_kivi_k_rows", "deq_unit", "deq_kivi_k_unit", "rd_f16",
            "rd_f32", "rd_u32", "KVALUES_IQ4NL", "IQ4NL_F"]
 
 
@@ -241,3 +247,53 @@ def deq_kivi_k_rows(bits, page, s0, n, out, dk, mk):
                     out[r, c + 8] = np.float32((v >> 2) & 3) * dk[c + 8] + mk[c + 8]
                     out[r, c + 16] = np.float32((v >> 4) & 3) * dk[c + 16] + mk[c + 16]
                     out[r, c + 24] = np.float32((v >> 6) & 3) * dk[c + 24] + mk[c + 24]
+
+
+# ----------------------------------------------------------------------------------------------
+# one piece of a row: the per-thread unit of the CUDA kernels
+# ----------------------------------------------------------------------------------------------
+
+@njit(cache=True, inline="always")
+def deq_unit(code, src, ro, b, HD, out, oo):
+    """Piece b of the HD-value KV row of format `code` at byte ro of src -> out[oo + 32b ...]: the
+    b-th block of 32 values (float formats: values 32b .. min(32b + 32, HD)), or the whole row for fp8
+    (b = 0).  Same decoders, same values as deq_rows."""
+    o = oo + 32 * b
+    if code == CODE_F16:
+        deq_f16(src, ro + 64 * b, min(32, HD - 32 * b), out, o)
+    elif code == CODE_Q8_0:
+        deq_q8_0(src, ro + 34 * b, out, o)
+    elif code == CODE_Q4_0:
+        deq_q4_0(src, ro + 18 * b, out, o)
+    elif code == CODE_Q4_1 or code == CODE_INT4:
+        deq_q4_1(src, ro + 20 * b, out, o)
+    elif code == CODE_IQ4_NL:
+        deq_iq4_nl(src, ro + 18 * b, out, o)
+    elif code == CODE_Q5_0:
+        deq_q5(src, ro + 22 * b, out, o, False)
+    elif code == CODE_Q5_1:
+        deq_q5(src, ro + 24 * b, out, o, True)
+    elif code == CODE_INT2:
+        deq_int2(src, ro + 12 * b, out, o, 8)
+    elif code == CODE_FP8_E4M3 or code == CODE_FP8_E5M2:
+        deq_fp8(src, ro, HD, out, oo, code == CODE_FP8_E4M3)
+    elif code == CODE_F32:
+        deq_f32(src, ro + 128 * b, min(32, HD - 32 * b), out, o)
+    elif code == CODE_BF16:
+        deq_bf16(src, ro + 64 * b, min(32, HD - 32 * b), out, o)
+
+
+@njit(cache=True, inline="always")
+def deq_kivi_k_unit(bits, page, s, b, HD, out, oo):
+    """Channels 32b .. 32b+31 of token s of a KIVI key page -> out[oo + 32b ...]: code * d[c] + m[c],
+    as deq_kivi_k_rows (d, m read from the page header)."""
+    o = U(4 * HD + s * (HD * bits // 8) + 4 * bits * b)
+    for c in range(32 * b, 32 * b + 32):
+        j = c - 32 * b
+        if bits == 4:
+            v = np.int32(page[o + U(j % 16)])
+            q = (v >> (4 * (j // 16))) & 0xF
+        else:
+            v = np.int32(page[o + U(j % 8)])
+            q = (v >> (2 * (j // 8))) & 3
+        out[U(oo + c)] = np.float32(q) * rd_f16(page, U(2 * c)) + rd_f16(page, U(2 * HD + 2 * c))

@@ -51,8 +51,8 @@ from numba import njit, prange
 
 from ..formats import (CODE_BF16, CODE_F16, CODE_F32, CODE_FP8_E4M3, CODE_FP8_E5M2, CODE_INT2,
                        CODE_INT4, CODE_IQ4_NL, CODE_Q4_0, CODE_Q4_1, CODE_Q5_0, CODE_Q5_1, CODE_Q8_0)
-from .blocks import IQ4NL_F, deq_rows
-from .simd import bits_f32, f32_bits, h2f
+from .blocks import IQ4NL_F, deq_rows, rd_f16
+from .simd import bits_f32, f32_bits, floorf, fmul_rn, h2f
 
 # ----------------------------------------------------------------------------------------------
 # bit casts and scalar helpers
@@ -141,8 +141,8 @@ def wr_f32(buf, o, x):
 def roundf_away(v):
     """Round half away from zero in float32 exactly as gguf.quants.np_roundf (== C roundf)."""
     a = abs(v)
-    fl = np.floor(a)
-    b = fl + np.floor(np.float32(2.0) * (a - fl))
+    fl = floorf(a)
+    b = fl + floorf(np.float32(2.0) * (a - fl))
     if v < np.float32(0.0):
         return -b
     return b
@@ -218,8 +218,8 @@ def _qblk_q4_0(x, xo, dst, do):
     idd = np.float32(1.0) / d if d != np.float32(0.0) else np.float32(0.0)
     wr_f16(dst, do, d)
     for j in range(16):
-        q0 = min(np.int64(x[xo + j] * idd + np.float32(8.5)), 15)
-        q1 = min(np.int64(x[xo + 16 + j] * idd + np.float32(8.5)), 15)
+        q0 = min(np.int64(fmul_rn(x[xo + j], idd) + np.float32(8.5)), 15)
+        q1 = min(np.int64(fmul_rn(x[xo + 16 + j], idd) + np.float32(8.5)), 15)
         dst[do + 2 + j] = np.uint8(q0 | (q1 << 4))
 
 
@@ -231,8 +231,8 @@ def _qblk_q4_1(x, xo, dst, do):
     wr_f16(dst, do, d)
     wr_f16(dst, do + 2, mn)
     for j in range(16):
-        q0 = min(np.int64((x[xo + j] - mn) * idd + np.float32(0.5)), 15)
-        q1 = min(np.int64((x[xo + 16 + j] - mn) * idd + np.float32(0.5)), 15)
+        q0 = min(np.int64(fmul_rn(x[xo + j] - mn, idd) + np.float32(0.5)), 15)
+        q1 = min(np.int64(fmul_rn(x[xo + 16 + j] - mn, idd) + np.float32(0.5)), 15)
         dst[do + 4 + j] = np.uint8(q0 | (q1 << 4))
 
 
@@ -244,8 +244,8 @@ def _qblk_q5_0(x, xo, dst, do):
     wr_f16(dst, do, d)
     qh = np.int64(0)
     for j in range(16):
-        q0 = min(np.int64(x[xo + j] * idd + np.float32(16.5)), 31)
-        q1 = min(np.int64(x[xo + 16 + j] * idd + np.float32(16.5)), 31)
+        q0 = min(np.int64(fmul_rn(x[xo + j], idd) + np.float32(16.5)), 31)
+        q1 = min(np.int64(fmul_rn(x[xo + 16 + j], idd) + np.float32(16.5)), 31)
         dst[do + 6 + j] = np.uint8((q0 & 0xF) | ((q1 & 0xF) << 4))
         qh |= ((q0 >> 4) & 1) << j
         qh |= ((q1 >> 4) & 1) << (j + 16)
@@ -262,8 +262,8 @@ def _qblk_q5_1(x, xo, dst, do):
     wr_f16(dst, do + 2, mn)
     qh = np.int64(0)
     for j in range(16):
-        q0 = min(np.int64((x[xo + j] - mn) * idd + np.float32(0.5)), 31)
-        q1 = min(np.int64((x[xo + 16 + j] - mn) * idd + np.float32(0.5)), 31)
+        q0 = min(np.int64(fmul_rn(x[xo + j] - mn, idd) + np.float32(0.5)), 31)
+        q1 = min(np.int64(fmul_rn(x[xo + 16 + j] - mn, idd) + np.float32(0.5)), 31)
         dst[do + 8 + j] = np.uint8((q0 & 0xF) | ((q1 & 0xF) << 4))
         qh |= ((q0 >> 4) & 1) << j
         qh |= ((q1 >> 4) & 1) << (j + 16)
@@ -301,8 +301,8 @@ def _iq4nl_sums(x, xo, idd):
         xj = x[xo + j]
         q = val[_best_index_iq4nl(idd * xj)]
         w = xj * xj
-        sumqx += w * q * xj
-        sumq2 += w * q * q
+        sumqx += fmul_rn(w * q, xj)
+        sumq2 += fmul_rn(w * q, q)
     return sumqx, sumq2
 
 
@@ -363,7 +363,7 @@ def fp8_encode(v, mbits, bias, fmax, max_mag):
     if e < emin:
         e = emin
     y = a * pow2f(mbits - e)  # exact scaling, y < 2^(mbits+1)
-    fl = np.floor(y)
+    fl = floorf(y)
     r = y - fl
     n = np.int64(fl)
     if r > np.float32(0.5) or (r == np.float32(0.5) and (n & 1) == 1):
@@ -431,30 +431,33 @@ def kivi_code(v, m, d, qmax):
 
 
 @njit(cache=True)
-def _q_kivi_row(x, dst, bits):
-    """KIVI value row: groups of 32 along HD, [f16 d][f16 m][codes]."""
-    hd = x.shape[0]
+def _kivi_pack(x, xo, m, d, qmax, bits, dst, do):
+    """The 32 codes of x[xo:xo+32] (KIVI group params m, d) packed into dst[do:do+4*bits]."""
+    if bits == 4:
+        for j in range(16):
+            c0 = kivi_code(x[xo + j], m, d, qmax)
+            c1 = kivi_code(x[xo + 16 + j], m, d, qmax)
+            dst[do + j] = np.uint8(c0 | (c1 << 4))
+    else:
+        for j in range(8):
+            c0 = kivi_code(x[xo + j], m, d, qmax)
+            c1 = kivi_code(x[xo + 8 + j], m, d, qmax)
+            c2 = kivi_code(x[xo + 16 + j], m, d, qmax)
+            c3 = kivi_code(x[xo + 24 + j], m, d, qmax)
+            dst[do + j] = np.uint8(c0 | (c1 << 2) | (c2 << 4) | (c3 << 6))
+
+
+@njit(cache=True)
+def _qgrp_kivi(x, b, dst, bits):
+    """Group b of a KIVI value row: [f16 d][f16 m][codes] at dst[(4 + 4*bits) * b:]."""
     qmax = (1 << bits) - 1
-    gb = 4 + 4 * bits
-    for g in range(hd // 32):
-        xo = 32 * g
-        do = gb * g
-        mn, mx = _minmax(x, xo, 32)
-        d16, m16, d, m = kivi_params(mn, mx, qmax)
-        wr_u16(dst, do, d16)
-        wr_u16(dst, do + 2, m16)
-        if bits == 4:
-            for j in range(16):
-                c0 = kivi_code(x[xo + j], m, d, qmax)
-                c1 = kivi_code(x[xo + 16 + j], m, d, qmax)
-                dst[do + 4 + j] = np.uint8(c0 | (c1 << 4))
-        else:
-            for j in range(8):
-                c0 = kivi_code(x[xo + j], m, d, qmax)
-                c1 = kivi_code(x[xo + 8 + j], m, d, qmax)
-                c2 = kivi_code(x[xo + 16 + j], m, d, qmax)
-                c3 = kivi_code(x[xo + 24 + j], m, d, qmax)
-                dst[do + 4 + j] = np.uint8(c0 | (c1 << 2) | (c2 << 4) | (c3 << 6))
+    xo = 32 * b
+    do = (4 + 4 * bits) * b
+    mn, mx = _minmax(x, xo, 32)
+    d16, m16, d, m = kivi_params(mn, mx, qmax)
+    wr_u16(dst, do, d16)
+    wr_u16(dst, do + 2, m16)
+    _kivi_pack(x, xo, m, d, qmax, bits, dst, do + 4)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -469,44 +472,54 @@ def quantize_row_iq4_nl(x, dst, ntry):
 
 
 @njit(cache=True)
-def quantize_row(code, x, dst):
-    n = x.shape[0]
+def row_units(code, n):
+    """Independent pieces a row of n values quantizes in (quantize_block's b): its 32-value blocks
+    (float formats: runs of 32 values), or 1 for fp8 (one scale per row)."""
+    if code == CODE_FP8_E4M3 or code == CODE_FP8_E5M2:
+        return 1
+    return (n + 31) // 32
+
+
+@njit(cache=True)
+def quantize_block(code, x, b, dst):
+    """Piece b (< row_units(code, n)) of row x (f32[n]) -> its bytes in the row buffer dst: the b-th
+    32-value block (float formats: values 32b .. 32b+31), or the whole row for fp8.  The unit of work
+    of one CUDA thread in kernels.cuda.kvquant; quantize_row loops over it."""
     if code == CODE_F32:
-        for j in range(n):
+        for j in range(32 * b, min(32 * b + 32, x.shape[0])):
             wr_f32(dst, 4 * j, x[j])
     elif code == CODE_F16:
-        for j in range(n):
+        for j in range(32 * b, min(32 * b + 32, x.shape[0])):
             wr_u16(dst, 2 * j, f32_to_f16_bits(x[j]))
     elif code == CODE_BF16:
-        for j in range(n):
+        for j in range(32 * b, min(32 * b + 32, x.shape[0])):
             wr_u16(dst, 2 * j, bf16_bits(x[j]))
     elif code == CODE_Q8_0:
-        for b in range(n // 32):
-            _qblk_q8_0(x, 32 * b, dst, 34 * b)
+        _qblk_q8_0(x, 32 * b, dst, 34 * b)
     elif code == CODE_Q4_0:
-        for b in range(n // 32):
-            _qblk_q4_0(x, 32 * b, dst, 18 * b)
+        _qblk_q4_0(x, 32 * b, dst, 18 * b)
     elif code == CODE_Q4_1:
-        for b in range(n // 32):
-            _qblk_q4_1(x, 32 * b, dst, 20 * b)
+        _qblk_q4_1(x, 32 * b, dst, 20 * b)
     elif code == CODE_Q5_0:
-        for b in range(n // 32):
-            _qblk_q5_0(x, 32 * b, dst, 22 * b)
+        _qblk_q5_0(x, 32 * b, dst, 22 * b)
     elif code == CODE_Q5_1:
-        for b in range(n // 32):
-            _qblk_q5_1(x, 32 * b, dst, 24 * b)
+        _qblk_q5_1(x, 32 * b, dst, 24 * b)
     elif code == CODE_IQ4_NL:
-        quantize_row_iq4_nl(x, dst, -1)
+        _qblk_iq4_nl(x, 32 * b, dst, 18 * b, -1)
     elif code == CODE_FP8_E4M3:
         _q_fp8(x, dst, True)
     elif code == CODE_FP8_E5M2:
         _q_fp8(x, dst, False)
     elif code == CODE_INT4:
-        _q_kivi_row(x, dst, 4)
+        _qgrp_kivi(x, b, dst, 4)
     elif code == CODE_INT2:
-        _q_kivi_row(x, dst, 2)
-    else:
-        raise ValueError("unknown KV format code")
+        _qgrp_kivi(x, b, dst, 2)
+
+
+@njit(cache=True)
+def quantize_row(code, x, dst):
+    for b in range(row_units(code, x.shape[0])):
+        quantize_block(code, x, b, dst)
 
 
 @njit(cache=True)
@@ -534,13 +547,14 @@ def quantize_rows(code, X, dst, ntry=-1):
 # ----------------------------------------------------------------------------------------------
 
 @njit(cache=True)
-def kivi_quantize_kpage(bits, xk, dst):
-    """xk f32[P, HD] -> dst: [f16 d[HD]][f16 m[HD]][P token-major rows of HD*bits/8 code bytes]."""
+def kivi_kpage_group(bits, xk, b, dst):
+    """Channels 32b .. 32b+31 of a KIVI key page: xk f32[P, HD] -> their d, m in the page header and
+    their codes in every token row of dst (the page's bytes, layout below).  The unit of work of one
+    CUDA thread; no scratch (d, m are read back from the header: h2f(d16), h2f(m16) = kivi_params' d, m)."""
     p, hd = xk.shape
     qmax = (1 << bits) - 1
     rb = hd * bits // 8
-    codes = np.empty((p, hd), dtype=np.int64)
-    for c in range(hd):
+    for c in range(32 * b, 32 * b + 32):
         mn = xk[0, c]
         mx = xk[0, c]
         for t in range(1, p):
@@ -552,20 +566,29 @@ def kivi_quantize_kpage(bits, xk, dst):
         d16, m16, d, m = kivi_params(mn, mx, qmax)
         wr_u16(dst, 2 * c, d16)
         wr_u16(dst, 2 * hd + 2 * c, m16)
-        for t in range(p):
-            codes[t, c] = kivi_code(xk[t, c], m, d, qmax)
     for t in range(p):
-        o = 4 * hd + t * rb
-        for g in range(hd // 32):
-            c0 = 32 * g
-            if bits == 4:
-                for j in range(16):
-                    dst[o + 16 * g + j] = np.uint8(codes[t, c0 + j] | (codes[t, c0 + 16 + j] << 4))
-            else:
-                for j in range(8):
-                    dst[o + 8 * g + j] = np.uint8(codes[t, c0 + j] | (codes[t, c0 + 8 + j] << 2)
-                                                  | (codes[t, c0 + 16 + j] << 4)
-                                                  | (codes[t, c0 + 24 + j] << 6))
+        o = 4 * hd + t * rb + 4 * bits * b
+        if bits == 4:
+            for j in range(16):
+                c = 32 * b + j
+                c0 = kivi_code(xk[t, c], rd_f16(dst, 2 * hd + 2 * c), rd_f16(dst, 2 * c), qmax)
+                c1 = kivi_code(xk[t, c + 16], rd_f16(dst, 2 * hd + 2 * c + 32), rd_f16(dst, 2 * c + 32), qmax)
+                dst[o + j] = np.uint8(c0 | (c1 << 4))
+        else:
+            for j in range(8):
+                c = 32 * b + j
+                q = np.int64(0)
+                for k in range(4):
+                    ck = c + 8 * k
+                    q |= kivi_code(xk[t, ck], rd_f16(dst, 2 * hd + 2 * ck), rd_f16(dst, 2 * ck), qmax) << (2 * k)
+                dst[o + j] = np.uint8(q)
+
+
+@njit(cache=True)
+def kivi_quantize_kpage(bits, xk, dst):
+    """xk f32[P, HD] -> dst: [f16 d[HD]][f16 m[HD]][P token-major rows of HD*bits/8 code bytes]."""
+    for b in range(xk.shape[1] // 32):
+        kivi_kpage_group(bits, xk, b, dst)
 
 
 # ----------------------------------------------------------------------------------------------

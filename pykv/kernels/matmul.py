@@ -728,12 +728,10 @@ def _as_bytes(data: np.ndarray, rows: int, row_bytes: int, name: str) -> np.ndar
     return data.reshape(-1).view(np.uint8).reshape(rows, row_bytes)
 
 
-def prepare_weight(ggml_type: int, data: np.ndarray, rows: int, cols: int, q8_act: bool = True) -> Weight:
-    """Validate and wrap a GGUF 2-D weight (gguf shape [cols, rows]) for matmul/get_rows.
-    q8_act=False keeps Q4_0/Q4_1/Q8_0 on the float-activation tiles even where VNNI is available.
-
-    Raises ValueError on an unsupported type, a column count that is not a whole number of blocks,
-    or data whose size does not match (rows, cols)."""
+def check_weight(ggml_type, data: np.ndarray, rows: int, cols: int):
+    """(ggml type, raw uint8 (rows, row bytes)) of a GGUF 2-D weight (gguf shape [cols, rows]); shared by
+    the CPU and CUDA prepare_weight. Raises ValueError on an unsupported type, a column count that is not
+    a whole number of blocks, or data whose size does not match (rows, cols)."""
     try:
         gt = int(ggml_type)
     except (TypeError, ValueError):
@@ -752,9 +750,14 @@ def prepare_weight(ggml_type: int, data: np.ndarray, rows: int, cols: int, q8_ac
     be, bb = _BLOCK[gt]
     if cols % be:
         raise ValueError(f"{name}: cols={cols} is not a multiple of the block size {be}")
-    row_bytes = cols // be * bb
-    raw = _as_bytes(data, rows, row_bytes, name)
+    return gt, _as_bytes(data, rows, cols // be * bb, name)
 
+
+def prepare_weight(ggml_type: int, data: np.ndarray, rows: int, cols: int, q8_act: bool = True) -> Weight:
+    """Validate (check_weight) and wrap a GGUF 2-D weight (gguf shape [cols, rows]) for matmul/get_rows.
+    q8_act=False keeps Q4_0/Q4_1/Q8_0 on the float-activation tiles even where VNNI is available."""
+    gt, raw = check_weight(ggml_type, data, rows, cols)
+    rows, cols = int(rows), int(cols)
     w = Weight()
     w.ggml_type, w.rows, w.cols = gt, rows, cols
     w.raw = raw

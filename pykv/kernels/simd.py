@@ -89,6 +89,39 @@ f32_bits = _bitcast("f32_bits", types.float32, types.uint32, I32)     # float32 
 bits_f32 = _bitcast("bits_f32", types.uint32, types.float32, F32)     # any 32-bit integer -> float32
 
 
+
+def _nvptx(builder) -> bool:
+    """True while lowering for a CUDA GPU (numba.cuda compiling a kernel that calls this code)."""
+    return (builder.module.triple or "").startswith("nvptx")
+
+
+@intrinsic
+def floorf(typingctx, x):
+    """floor of a float32 as float32 (llvm.floor: exact for every value; CPU and CUDA alike,
+    where np.floor is not available in device code)."""
+    if x == types.float32:
+        def codegen(context, builder, sig, args):
+            fn = builder.module.declare_intrinsic("llvm.floor", [F32])
+            return builder.call(fn, [args[0]])
+        return types.float32(x), codegen
+    return None
+
+
+@intrinsic
+def fmul_rn(typingctx, a, b):
+    """a * b (float32), never fused with a following add.  The CPU build does not fuse anyway; on a
+    GPU NVVM contracts mul + add into fma by default, which changes the rounding of the quantizers'
+    `x * idd + 8.5` and breaks byte-identity with the CPU, so there it is PTX `mul.rn.f32` (an
+    explicit rounding mode: never contracted)."""
+    if a == types.float32 and b == types.float32:
+        def codegen(context, builder, sig, args):
+            if _nvptx(builder):
+                return builder.asm(ir.FunctionType(F32, [F32, F32]), "mul.rn.f32 $0, $1, $2;", "=f,f,f",
+                                   list(args), False)
+            return builder.fmul(args[0], args[1])
+        return types.float32(a, b), codegen
+    return None
+
 def _splat(builder, x, n):
     vt = _vec(x.type, n)
     v = builder.insert_element(ir.Constant(vt, ir.Undefined), x, ir.Constant(I32, 0))

@@ -1,0 +1,108 @@
+"""numba.cuda twins of kernels.kvquant's paged-cache kernels: same names, same arguments (device arrays).
+
+    append_rows(x f32[T, KVH, HD], pool, page_table, start, P, code)   tokens into their page slots
+    write_residual(x, res, start, P, rcode)                             f16 rows (sinks, KIVI window)
+    flush_residual(res, r0, pool, page, P, rcode, code, kbits, tmp)     a full residual page -> pool
+
+One CUDA thread per (token, KV head, piece): a piece is kvquant.quantize_block's unit (a 32-value
+block; a whole row for fp8, one scale per row), and a KIVI key page is one thread per (KV head, group
+of 32 channels) (kvquant.kivi_kpage_group).  The threads call the CPU's own @njit quantizers (see
+shared.py), so the bytes are the CPU's: one source, and byte-identical pools on both devices (the
+quantizers keep products that feed an add unfused with simd.fmul_rn, since NVVM fuses into fma).
+"""
+from numba import cuda
+
+from ..blocks import deq_unit
+from ..kvquant import kivi_kpage_group, quantize_block, row_units
+from .shared import SIM, blocks_for, dev
+
+TPB = 32 if SIM else 128      # threads per block (the simulator runs each thread as a Python thread)
+
+_quantize_block = dev(quantize_block)
+_kivi_kpage_group = dev(kivi_kpage_group)
+_deq_unit = dev(deq_unit)
+
+
+@cuda.jit
+def _append_kernel(x, pool, page_table, start, P, code, NU):
+    i = cuda.grid(1)
+    KVH = x.shape[1]
+    if i < x.shape[0] * KVH * NU:
+        u = i % NU
+        t = i // (NU * KVH)
+        g = (i // NU) % KVH
+        j = start + t
+        rb = pool.shape[2] // P
+        o = (j % P) * rb
+        _quantize_block(code, x[t, g], u, pool[g, page_table[j // P], o:o + rb])
+
+
+def append_rows(x, pool, page_table, start, P, code) -> None:
+    # x (T, KVH, HD) f32 -> quantize token start+t, head g into its slot of pool (KVH, n_pages, P*rb)
+    T, KVH, HD = x.shape
+    NU = row_units(code, HD)
+    _append_kernel[blocks_for(T * KVH * NU, TPB), TPB](x, pool, page_table, start, P, code, NU)
+
+
+@cuda.jit
+def _residual_kernel(x, res, start, P, rcode, NU):
+    i = cuda.grid(1)
+    KVH = x.shape[1]
+    if i < x.shape[0] * KVH * NU:
+        u = i % NU
+        t = i // (NU * KVH)
+        g = (i // NU) % KVH
+        _quantize_block(rcode, x[t, g], u, res[g, (start + t) % P])
+
+
+def write_residual(x, res, start, P, rcode) -> None:
+    # x (T, KVH, HD) f32, all in one page -> f16 rows res[g, (start + t) % P]
+    T, KVH, HD = x.shape
+    NU = row_units(rcode, HD)
+    _residual_kernel[blocks_for(T * KVH * NU, TPB), TPB](x, res, start, P, rcode, NU)
+
+
+@cuda.jit
+def _unpack_kernel(res, r0, P, rcode, tmp, NU):
+    # residual rows r0 .. r0+P-1 (f16) -> tmp (KVH, P, HD) f32
+    i = cuda.grid(1)
+    HD = tmp.shape[2]
+    if i < tmp.shape[0] * P * NU:
+        u = i % NU
+        s = (i // NU) % P
+        g = i // (NU * P)
+        _deq_unit(rcode, res[g, r0 + s], 0, u, HD, tmp[g, s], 0)
+
+
+@cuda.jit
+def _page_kernel(tmp, pool, page, P, code, NU):
+    # tmp (KVH, P, HD) f32 -> the token rows of pool[:, page]
+    i = cuda.grid(1)
+    if i < tmp.shape[0] * P * NU:
+        u = i % NU
+        s = (i // NU) % P
+        g = i // (NU * P)
+        rb = pool.shape[2] // P
+        _quantize_block(code, tmp[g, s], u, pool[g, page, s * rb:(s + 1) * rb])
+
+
+@cuda.jit
+def _kpage_kernel(tmp, pool, page, kbits):
+    # tmp (KVH, P, HD) f32 -> the KIVI key pages pool[:, page]: a thread per (KV head, 32 channels)
+    i = cuda.grid(1)
+    NG = tmp.shape[2] // 32
+    if i < tmp.shape[0] * NG:
+        _kivi_kpage_group(kbits, tmp[i // NG], i % NG, pool[i // NG, page])
+
+
+def flush_residual(res, r0, pool, page, P, rcode, code, kbits, tmp) -> None:
+    # quantize the full page held in residual rows r0 .. r0+P-1 of res (KVH, RING, 2*HD) into
+    # pool[:, page]; tmp (KVH, P, HD) f32 scratch.
+    KVH, _, HD = tmp.shape
+    NU = row_units(rcode, HD)
+    _unpack_kernel[blocks_for(KVH * P * NU, TPB), TPB](res, r0, P, rcode, tmp, NU)
+    if kbits > 0:
+        _kpage_kernel[blocks_for(KVH * (HD // 32), TPB), TPB](tmp, pool, page, kbits)
+    else:
+        NU = row_units(code, HD)
+        _page_kernel[blocks_for(KVH * P * NU, TPB), TPB](tmp, pool, page, P, code, NU)

@@ -1,0 +1,155 @@
+"""Device sampling: a token id from a logits row that stays on the GPU (only the id comes down).
+
+pick(logits, sampler, history, u) gives the same id as the reference pykv.sampler.Sampler.pick with the
+same uniform draw u: repetition penalty (the history's distinct recent ids go up, only when a penalty is
+set), then greedy (first maximal logit, NaN never picked) or top-k -> top-p -> min-p -> temperature, in
+float64 like the CPU. Top-k runs as K block-wide argmax passes over the row in one single-block launch,
+so it is for small K: with top-k off or above KMAX the row is copied to the host and the CPU sampler
+picks."""
+import math
+
+import numpy as np
+from numba import cuda
+
+from . import SIM
+
+KMAX = 256
+NT = 32 if SIM else 256     # threads of the one sampling block (the simulator's barriers are slow)
+_BUF = {}
+
+
+@cuda.jit(device=True, inline=True)
+def _better(v, i, bv, bi):
+    return v > bv or (v == bv and i < bi)
+
+
+@cuda.jit(device=True, inline=True)
+def _block_argmax(work, sv, si):
+    # (max value, its first index) of work, to every thread of the block
+    t = cuda.threadIdx.x
+    bv = -math.inf
+    bi = work.shape[0]
+    for j in range(t, work.shape[0], cuda.blockDim.x):
+        v = work[j]
+        if _better(v, j, bv, bi):
+            bv = v
+            bi = j
+    sv[t] = bv
+    si[t] = bi
+    cuda.syncthreads()
+    s = cuda.blockDim.x // 2
+    while s > 0:
+        if t < s and _better(sv[t + s], si[t + s], sv[t], si[t]):
+            sv[t] = sv[t + s]
+            si[t] = si[t + s]
+        cuda.syncthreads()
+        s //= 2
+    rv = sv[0]
+    ri = si[0]
+    cuda.syncthreads()
+    return rv, ri
+
+
+@cuda.jit
+def _penalize_kernel(logits, ids, penalty):
+    i = cuda.grid(1)
+    if i < ids.shape[0]:
+        v = logits[ids[i]]
+        logits[ids[i]] = v * penalty if v <= 0 else v / penalty
+
+
+@cuda.jit
+def _sample_kernel(logits, work, K, temp, top_p, min_p, u, cand, cval, out):
+    """out[0] = the sampled id (K == 0: greedy). cand/cval (KMAX,): the top-K ids / logits, descending."""
+    t = cuda.threadIdx.x
+    sv = cuda.shared.array(NT, np.float32)
+    si = cuda.shared.array(NT, np.int64)
+    for j in range(t, logits.shape[0], cuda.blockDim.x):
+        v = logits[j]
+        work[j] = -math.inf if math.isnan(v) else v
+    cuda.syncthreads()
+    n = max(K, 1)
+    for k in range(n):
+        bv, bi = _block_argmax(work, sv, si)
+        if t == 0:
+            cand[k] = bi
+            cval[k] = bv
+            work[bi] = -math.inf
+        cuda.syncthreads()
+    if t != 0:
+        return
+    if K == 0:
+        out[0] = cand[0]
+        return
+    vmax = np.float64(cval[0])
+    flat = vmax == -math.inf          # everything masked: uniform over what is left
+    if flat:
+        vmax = 0.0
+    use_top_p = top_p < 1.0
+    z = 0.0
+    if use_top_p:
+        for k in range(K):
+            z += math.exp((0.0 if flat else np.float64(cval[k])) - vmax)
+    m = K
+    if min_p > 0.0:
+        lim = vmax + math.log(min_p)
+        m = 0
+        for k in range(K):
+            if (0.0 if flat else np.float64(cval[k])) >= lim:
+                m += 1
+    if use_top_p and m > 1:
+        cum = 0.0
+        for k in range(m):
+            cum += math.exp((0.0 if flat else np.float64(cval[k])) - vmax)
+            if cum / z >= top_p:
+                m = min(m, k + 1)
+                break
+    if m == 1:
+        out[0] = cand[0]
+        return
+    tot = 0.0
+    for k in range(m):
+        tot += math.exp(((0.0 if flat else np.float64(cval[k])) - vmax) / temp)
+    r = u * tot
+    c = 0.0
+    j = m - 1
+    for k in range(m):
+        c += math.exp(((0.0 if flat else np.float64(cval[k])) - vmax) / temp)
+        if c > r:
+            j = k
+            break
+    out[0] = cand[j]
+
+
+def _bufs(V):
+    if _BUF.get("V") != V:
+        _BUF.update(V=V, work=cuda.device_array(V, np.float32), cand=cuda.device_array(KMAX, np.int64),
+                    cval=cuda.device_array(KMAX, np.float32), out=cuda.device_array(1, np.int64))
+    return _BUF
+
+
+def pick(logits, sampler, history, u: float) -> int:
+    """The token sampler.pick would choose from the device row logits (V,) for the uniform draw u.
+    The repetition penalty is applied to `logits` in place."""
+    p = sampler.params
+    V = logits.size
+    logits = logits.reshape(V)
+    n = p.repeat_last_n
+    if p.repeat_penalty != 1.0 and n != 0 and len(history):
+        recent = np.unique(np.asarray(history if n < 0 else history[-n:], np.int64))
+        recent = recent[(recent >= 0) & (recent < V)]
+        if recent.size:
+            _penalize_kernel[-(-recent.size // 128), 128](logits, cuda.to_device(recent), np.float32(p.repeat_penalty))
+    if p.temperature <= 0:
+        K = 0
+    else:
+        K = int(p.top_k)
+        if not 0 < K <= min(KMAX, V - 1):      # the whole row is a candidate: the CPU sampler picks
+            from ...sampler import SamplerParams
+            host = logits.copy_to_host()
+            params = SamplerParams(**{**p.__dict__, "repeat_penalty": 1.0})
+            return type(sampler)(params, V).pick(host, history, u)
+    b = _bufs(V)
+    _sample_kernel[1, NT](logits, b["work"], K, np.float64(p.temperature), np.float64(p.top_p),
+                          np.float64(p.min_p), np.float64(u), b["cand"], b["cval"], b["out"])
+    return int(b["out"].copy_to_host()[0])
