@@ -6,6 +6,10 @@ row in a ``uint8`` buffer:
     quantize_row(code, x f32[HD], dst u8[row_bytes])            once per token on append
     dequantize_row(code, src u8[row_bytes], out f32[HD])        KIVI page flushes (kernels.blocks.deq_rows)
     quantize_rows(code, X f32[N, HD], dst u8[N, row_bytes], ntry=-1)   prange over rows (convert tool)
+    quantize_block(code, x, b, dst)     piece b < row_units(code, HD) of a row: quantize_row's loop body
+                                        and one CUDA thread's work (kernels.cuda.kvquant calls these
+                                        @njit functions on the GPU: CUDA-compatible code only, see
+                                        kernels/cuda/shared.py)
 
 The paged cache (pykv.kv_cache) appends through three kernels built on them:
 
@@ -16,6 +20,7 @@ The paged cache (pykv.kv_cache) appends through three kernels built on them:
 KIVI keys live in pages (per channel across the P tokens of a page):
 
     kivi_quantize_kpage(bits, xk f32[P, HD], dst u8[page_bytes])   (decoded by kernels.blocks.deq_kivi_k_rows)
+    kivi_kpage_group(bits, xk, b, dst)   its channels 32b .. 32b+31 (one CUDA thread's work)
 
 Byte layouts (little endian):
   f32 / f16 / bf16: the values.  f16 rounding = numpy astype(float16) (RNE, numpy's NaN mapping);

@@ -46,7 +46,7 @@ from .shared import SIM, dev
 TILE = 16         # keys per tile (K and V decoded once into shared memory for all query rows)
 HDMAX = 128       # largest head_dim the shared tiles hold
 RMAX = 16         # query rows (query tokens x heads of one KV group) per block
-NT = 32 if SIM else 128   # threads per block (the simulator runs each thread as a Python thread)
+NT = 8 if SIM else 128    # threads per block (the simulator runs each thread as a Python thread)
 HP = HDMAX + 1    # shared row stride bound (rows are HD + 1 floats: no bank conflicts)
 _KT = TILE * HP   # shared array sizes (compile-time constants)
 _QS = RMAX * HDMAX

@@ -1,0 +1,83 @@
+"""Compile the cuda KV kernels (pykv.kernels.cuda.kvquant / attention) to PTX without a GPU.
+
+The simulator runs kernels as Python, so it cannot tell whether a GPU can compile them (numpy calls,
+allocation, exceptions in the shared @njit code).  This script can: numba-cuda plus NVIDIA's NVVM are
+enough, no driver and no device.  It also checks that the quantizing kernels hold no fused multiply-add
+(NVVM fuses mul + add by default; the quantizers keep those products apart with simd.fmul_rn so the GPU's
+bytes equal the CPU's).
+
+    pip install --target DIR numba-cuda cuda-bindings cuda-core cuda-pathfinder \
+        nvidia-cuda-nvcc-cu12 nvidia-cuda-nvrtc-cu12 --no-deps
+    LD_LIBRARY_PATH=DIR/nvidia/cuda_nvrtc/lib:DIR/nvidia/cuda_nvcc/nvvm/lib64 \
+    CUDA_HOME=DIR/nvidia/cuda_nvcc python tools/cuda_ptx_check.py --site DIR [kvquant] [attention]
+
+Prints one line per kernel (PTX size, fma count, compile seconds); exit status 1 on a failure.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import site
+import sys
+import time
+
+QUANTIZERS = ("_append_kernel", "_residual_kernel", "_page_kernel", "_kpage_kernel")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("modules", nargs="*", default=["kvquant", "attention"])
+    ap.add_argument("--site", help="a pip --target folder holding numba-cuda and the CUDA wheels")
+    ap.add_argument("--cc", default="9.0", help="compute capability (default 9.0: H100 / H200)")
+    a = ap.parse_args()
+    if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
+        print("cuda_ptx_check: unset NUMBA_ENABLE_CUDASIM (this compiles for a real GPU)")
+        return 2
+    if a.site:
+        site.addsitedir(a.site)          # runs numba-cuda's .pth redirect of numba.cuda
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+    from numba import cuda
+    from numba import types as nt
+    import numba.cuda.dispatcher as disp
+    cc = tuple(int(v) for v in a.cc.split("."))
+
+    class _Dev:                          # device functions ask the current device for its cc
+        compute_capability = cc
+    disp.get_current_device = lambda: _Dev()
+
+    I, u8_3, f32_3, i32_1 = nt.int64, nt.uint8[:, :, ::1], nt.float32[:, :, ::1], nt.int32[::1]
+    f32_5, u8_4 = nt.float32[:, :, :, :, ::1], nt.uint8[:, :, :, ::1]
+    jobs = []
+    if "kvquant" in a.modules:
+        from pykv.kernels.cuda import kvquant as CK
+        jobs += [(CK._append_kernel, (f32_3, u8_3, i32_1, I, I, I, I)),
+                 (CK._residual_kernel, (f32_3, u8_3, I, I, I, I)),
+                 (CK._unpack_kernel, (u8_3, I, I, I, f32_3, I)),
+                 (CK._page_kernel, (f32_3, u8_3, I, I, I, I)),
+                 (CK._kpage_kernel, (f32_3, u8_3, I, I))]
+    if "attention" in a.modules:
+        from pykv.kernels.cuda import attention as CA
+        jobs += [(CA._attend_kernel, (f32_3, u8_3, u8_3, u8_3, u8_3, u8_3, u8_3, i32_1) + (I,) * 12 + (f32_5,)),
+                 (CA._batch_kernel, (f32_3, u8_3, u8_3, u8_4, u8_4, u8_4, u8_4, nt.int32[:, ::1],
+                                     nt.int32[:, ::1]) + (I,) * 6 + (f32_5,)),
+                 (CA._merge_kernel, (f32_5, I, I, f32_3))]
+    bad = 0
+    for k, sig in jobs:
+        name = k.py_func.__name__
+        t = time.time()
+        try:
+            ptx, _ = cuda.compile_ptx(k.py_func, sig, cc=cc)
+        except Exception as e:           # report every kernel, then fail
+            print(f"{name}: FAILED: {type(e).__name__}: {str(e).splitlines()[0]}")
+            bad += 1
+            continue
+        fma = ptx.count("fma.rn.f32")
+        ok = not (name in QUANTIZERS and fma)
+        bad += not ok
+        print(f"{name}: {len(ptx)} chars of PTX, {fma} fma.rn.f32, {time.time() - t:.1f} s"
+              + ("" if ok else "  <- a quantizer with fused multiply-adds: GPU bytes may differ"))
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
