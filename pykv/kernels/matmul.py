@@ -55,7 +55,7 @@ from ..formats import KV_FORMATS
 from .blocks import deq_rows, rd_f16
 from .simd import h2f
 from .tiles import (ISA, KTILE_ROWS, TILE_ROWS, dot_ktile_q4k, dot_ktile_q5k, dot_ktile_q6k, dot_tile_q4,
-                    dot_tile_q8, repack_ktile)
+                    dot_tile_q5, dot_tile_q8, repack_ktile)
 
 __all__ = ["Weight", "Act", "prepare_weight", "matmul", "matmul_fused", "get_rows", "set_exact", "quantize_act_q8",
            "quantize_act_q8k", "SUPPORTED_TYPES", "ISA"]
@@ -603,19 +603,13 @@ def _mm_tile_q4_3(qa, da, oa, qb, db, ob, qc, dc, oc, T, X, XF):
 # microseconds) unless the Act already holds them, then one prange over (row tile x _ITILE_TB tokens).
 # Q4 tile sc: (nt, nb, 2, TILE_ROWS) f16 d, m; Q8: (nt, nb, 1, TILE_ROWS) f16 d.
 
-@njit(cache=True, nogil=True, inline="always")
-def _itile(q4, qt, sc, tile, nb, XQ, XD, XS, t, o):
-    if q4:
-        dot_tile_q4(qt[tile], sc[tile], XQ[t], XD[t], XS[t], nb, o)
-    else:
-        dot_tile_q8(qt[tile], sc[tile], XQ[t], XD[t], XS[t], nb, o)
-
-
 _ITILE_TB = 16      # prefill: tokens per work item (a tile's weights stay in L1/L2 across them)
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=_FM)
-def _mm_itile(q4, quant, qt, sc, rows, T, X, XQ, XD, XS, XF, tail, out):
+def _mm_itile(kind, quant, qt, sc, rows, T, X, XQ, XD, XS, XF, tail, out):
+    """Q4 / Q5 / Q8 integer tiles; kind (_KIND_ITILE_*) is a compile-time literal."""
+    literally(kind)
     if quant:
         quantize_act_q8(X, T, XQ, XD, XS, XF)
     nt, nb, R = qt.shape[0], qt.shape[1], qt.shape[3]
@@ -624,19 +618,25 @@ def _mm_itile(q4, quant, qt, sc, rows, T, X, XQ, XD, XS, XF, tail, out):
         tile = it // ntb
         t0 = (it % ntb) * _ITILE_TB
         r0 = tile * R
-        if r0 + R <= rows:
-            for t in range(t0, min(T, t0 + _ITILE_TB)):
-                _itile(q4, qt, sc, tile, nb, XQ, XD, XS, t, out[t, r0:r0 + R])
-        else:
-            for t in range(t0, min(T, t0 + _ITILE_TB)):
-                _itile(q4, qt, sc, tile, nb, XQ, XD, XS, t, tail[t, :R])
+        full = r0 + R <= rows
+        for t in range(t0, min(T, t0 + _ITILE_TB)):
+            o = out[t, r0:r0 + R] if full else tail[t, :R]
+            if kind == _KIND_ITILE_Q4:
+                dot_tile_q4(qt[tile], sc[tile], XQ[t], XD[t], XS[t], nb, o)
+            elif kind == _KIND_ITILE_Q5:
+                dot_tile_q5(qt[tile], sc[tile], XQ[t], XD[t], XS[t], nb, o)
+            else:
+                dot_tile_q8(qt[tile], sc[tile], XQ[t], XD[t], XS[t], nb, o)
+            if not full:
                 for i in range(rows - r0):
                     out[t, r0 + i] = tail[t, i]
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=_FM)
-def _mm_itile_3(quant, qa, sa, oa, qb, sb, ob, qc, sc, oc, T, X, XQ, XD, XS, XF):
-    """Three full-tile Q4 integer tile weights sharing X (Q/K/V, or gate/up with qc empty): one region."""
+def _mm_itile_3(kind, quant, qa, sa, oa, qb, sb, ob, qc, sc, oc, T, X, XQ, XD, XS, XF):
+    """Three full-tile Q4 (or three Q5) integer tile weights sharing X (Q/K/V, or gate/up with qc empty):
+    one region.  kind: a compile-time literal."""
+    literally(kind)
     if quant:
         quantize_act_q8(X, T, XQ, XD, XS, XF)
     na, nb_ = qa.shape[0], qb.shape[0]
@@ -647,13 +647,15 @@ def _mm_itile_3(quant, qa, sa, oa, qb, sb, ob, qc, sc, oc, T, X, XQ, XD, XS, XF)
         t0 = (w % ntb) * _ITILE_TB
         for t in range(t0, min(T, t0 + _ITILE_TB)):
             if it < na:
-                dot_tile_q4(qa[it], sa[it], XQ[t], XD[t], XS[t], nblk, oa[t, it * R:it * R + R])
+                q, s, k, o = qa, sa, it, oa
             elif it < na + nb_:
-                k = it - na
-                dot_tile_q4(qb[k], sb[k], XQ[t], XD[t], XS[t], nblk, ob[t, k * R:k * R + R])
+                q, s, k, o = qb, sb, it - na, ob
             else:
-                k = it - na - nb_
-                dot_tile_q4(qc[k], sc[k], XQ[t], XD[t], XS[t], nblk, oc[t, k * R:k * R + R])
+                q, s, k, o = qc, sc, it - na - nb_, oc
+            if kind == _KIND_ITILE_Q4:
+                dot_tile_q4(q[k], s[k], XQ[t], XD[t], XS[t], nblk, o[t, k * R:k * R + R])
+            else:
+                dot_tile_q5(q[k], s[k], XQ[t], XD[t], XS[t], nblk, o[t, k * R:k * R + R])
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=_FM)
@@ -736,13 +738,21 @@ def _repack_tiles(gt, raw, rows, cols, R, itile):
         q = blk[:, :, 2:34] if itile else blk[:, :, 2:34].view(np.int8)
         sc = d[:, :, None, :] if itile else d
     else:
-        if gt == Q4_1:
+        qo = {Q4_0: 2, Q4_1: 4, Q5_0: 6, Q5_1: 8}[gt]
+        q = blk[:, :, qo:qo + 16]
+        if gt in (Q4_1, Q5_1):
             m = _f16_bits(blk[:, :, 2:4]).reshape(nt, R, nb).transpose(0, 2, 1)
-            q = blk[:, :, 4:20]
-        else:  # Q4_0: d * (q - 8) = d * q + (-8 d), and -8 d is exact in f16 unless it overflows
-            m = (np.ascontiguousarray(d).view(np.float16) * np.float16(-8.0)).view(np.uint16)
-            q = blk[:, :, 2:18]
+        else:  # Q4_0 / Q5_0: d * (q - z) = d * q + (-z d), and -z d is exact in f16 unless it overflows
+            z = np.float16(-8.0 if gt == Q4_0 else -16.0)
+            m = (np.ascontiguousarray(d).view(np.float16) * z).view(np.uint16)
         sc = np.stack([d, m], axis=2)
+        if gt in (Q5_0, Q5_1):      # qh -> a fifth 4-byte group (kernels.tiles.dot_tile_q5's layout)
+            qh = np.ascontiguousarray(blk[:, :, qo - 4:qo]).view(np.uint32)[..., 0]
+            bits = ((qh[..., None] >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
+            lo = bits[..., :16].reshape(*qh.shape, 4, 4)         # [jj][c]
+            hi = bits[..., 16:].reshape(*qh.shape, 4, 4)
+            sh = np.arange(4, dtype=np.uint8)[:, None]
+            q = np.concatenate([q, ((lo << sh) | (hi << (sh + 4))).sum(axis=-2, dtype=np.uint8)], axis=2)
     w = q.shape[2]
     if itile:
         qt = q.reshape(nt, R, nb, w // 4, 4).transpose(0, 2, 3, 1, 4)
@@ -759,8 +769,9 @@ _KIND_TILE_Q4 = 1    # row-interleaved Q4_0 / Q4_1
 _KIND_TILE_Q8 = 2    # row-interleaved Q8_0
 _KIND_ITILE_Q4 = 3   # integer-dot tiles (kernels.tiles), Q4_0 / Q4_1 (q8_0 activations)
 _KIND_ITILE_Q8 = 4   # integer-dot tiles, Q8_0
+_KIND_ITILE_Q5 = 6   # integer-dot tiles, Q5_0 / Q5_1
 _KIND_KTILE = 5      # integer-dot K-quant tiles, Q4_K / Q5_K / Q6_K (q8_K activations)
-_INT_KINDS = (_KIND_ITILE_Q4, _KIND_ITILE_Q8, _KIND_KTILE)
+_INT_KINDS = (_KIND_ITILE_Q4, _KIND_ITILE_Q8, _KIND_KTILE, _KIND_ITILE_Q5)
 _KTILE_FMT = {Q4_K: "q4k", Q5_K: "q5k", Q6_K: "q6k"}
 
 
@@ -836,9 +847,9 @@ def prepare_weight(ggml_type: int, data: np.ndarray, rows: int, cols: int, q8_ac
         w.fw = raw.view(np.float32)
     elif gt in (F16, BF16):
         w.fw = raw.view(np.uint16)
-    elif gt in (Q4_0, Q4_1, Q8_0):
+    elif gt in (Q4_0, Q4_1, Q8_0) or (gt in (Q5_0, Q5_1) and q8_act):
         if q8_act:
-            R, kind = TILE_ROWS, (_KIND_ITILE_Q8 if gt == Q8_0 else _KIND_ITILE_Q4)
+            R, kind = TILE_ROWS, {Q8_0: _KIND_ITILE_Q8, Q5_0: _KIND_ITILE_Q5, Q5_1: _KIND_ITILE_Q5}.get(gt, _KIND_ITILE_Q4)
         else:
             R, kind = (_R_Q8, _KIND_TILE_Q8) if gt == Q8_0 else (_R_Q4, _KIND_TILE_Q4)
         qt, sc = _repack_tiles(gt, raw, rows, cols, R, q8_act)
@@ -946,7 +957,7 @@ def matmul(w: Weight, act: Act, out: np.ndarray) -> None:
         _mm_ktile(gt, not act._q8k_ok, w.qt, w.rows, T, act.x, act.xqk, act.xdk, act.xbk, act._tail, out)
         act._q8k_ok = True
     elif w.kind in _INT_KINDS:
-        _mm_itile(w.kind == _KIND_ITILE_Q4, not act._q8_ok, w.qt, w.sc, w.rows, T, act.x, act.xq, act.xd,
+        _mm_itile(w.kind, not act._q8_ok, w.qt, w.sc, w.rows, T, act.x, act.xq, act.xd,
                   act.xs, act.xf, act._tail, out)
         act._q8_ok = True
     elif T >= _BLAS_MIN_T and w.kind != _KIND_RAW:
@@ -1059,8 +1070,8 @@ def matmul_fused(ws, act: Act, outs) -> None:
     are all full-tile Q4 tile weights and act.T is small (decode); otherwise one call each."""
     T = act.T
     kind = ws[0].kind
-    if (not _EXACT and (T < _BLAS_MIN_T or kind == _KIND_ITILE_Q4) and 2 <= len(ws) <= 3
-            and kind in (_KIND_TILE_Q4, _KIND_ITILE_Q4)
+    if (not _EXACT and (T < _BLAS_MIN_T or kind in (_KIND_ITILE_Q4, _KIND_ITILE_Q5)) and 2 <= len(ws) <= 3
+            and kind in (_KIND_TILE_Q4, _KIND_ITILE_Q4, _KIND_ITILE_Q5)
             and all(w.kind == kind and w.cols == act.cols and w.rows % w.qt.shape[3] == 0 for w in ws)):
         for w, o in zip(ws, outs):
             _check_out(w, T, o)
@@ -1068,8 +1079,8 @@ def matmul_fused(ws, act: Act, outs) -> None:
         oa, ob = outs[0], outs[1]
         c, oc = (ws[2], outs[2]) if len(ws) == 3 else (ws[1], outs[1])
         n = c.qt.shape[0] if len(ws) == 3 else 0       # two weights: an empty third
-        if kind == _KIND_ITILE_Q4:
-            _mm_itile_3(not act._q8_ok, a.qt, a.sc, oa, b.qt, b.sc, ob, c.qt[:n], c.sc[:n], oc, T, act.x,
+        if kind != _KIND_TILE_Q4:
+            _mm_itile_3(kind, not act._q8_ok, a.qt, a.sc, oa, b.qt, b.sc, ob, c.qt[:n], c.sc[:n], oc, T, act.x,
                         act.xq, act.xd, act.xs, act.xf)
             act._q8_ok = True
         else:

@@ -15,7 +15,7 @@ The class is what Numba compiles for (its target CPU name and features), so NUMB
 NUMBA_CPU_FEATURES overrides select it too (Numba's cache keys on both, so cached code matches).
 
 Two tile families (layouts below, `repack_*` build them from ggml rows):
-  * dot_tile_q4 / dot_tile_q8: Q4_0, Q4_1, Q8_0 against q8_0 activation blocks of 32 (TILE_ROWS rows).
+  * dot_tile_q4 / q5 / q8: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 against q8_0 activation blocks of 32 (TILE_ROWS rows).
   * dot_ktile (Q4_K, Q5_K, Q6_K): against q8_K activation blocks of 256 with int sums per 16
     (llama.cpp's q8_K), KTILE_ROWS = L rows: each row's dot equals llama.cpp's vec_dot_qX_K_q8_K.
 """
@@ -201,7 +201,7 @@ def _arr(t, dt):
     return isinstance(t, types.Array) and t.dtype == dt
 
 
-def _tile_dot(q4):
+def _tile_dot(fmt):
     """Intrinsic (qt, sc, xq, xd, xs, nb, out): out[0:TILE_ROWS] = the tile's rows . x.
 
     Tile layout (TILE_ROWS = G*L rows, nb blocks of 32 columns), 4 columns of one row per 32-bit lane:
@@ -209,11 +209,15 @@ def _tile_dot(q4):
           4jj+c (low nibble) and 16+4jj+c (high nibble) of the row's block, as ggml's qs[4jj+c];
           sc uint16 [nb][2][R] = f16 d and m per row (Q4_0 stored as m = -8 d).
           row . x = sum_b d*xd_b * sum_j q_j xq_j  +  m * xd_b * xs_b   (xs_b: int sum of xq's block)
+      Q5 (Q5_0 / Q5_1): as Q4 with a fifth group [R][4]: byte c of a row's word holds bit 4 of column
+          4jj+c in bit jj and of column 16+4jj+c in bit 4+jj (Q5_0: m = -16 d).
       Q8 (Q8_0): qt uint8 [nb][8 groups][R rows][4 bytes] = ggml's int8 qs;  sc uint16 [nb][1][R] = f16 d.
           row . x = sum_b d*xd_b * sum_j q_j xq_j
     x is llama.cpp's q8_0 activation: xq int8 [nb*32], xd f32 [nb], xs int32 [nb].  These are llama.cpp's
-    q4_0/q4_1/q8_0 x q8 dot products: the per-block int32 sums are exact, then scaled in float."""
+    q4_0/q4_1/q5_0/q5_1/q8_0 x q8 dot products: the per-block int32 sums are exact, then scaled in float."""
+    q4 = fmt != "q8"
     groups = 4 if q4 else 8
+    stride = (groups + (fmt == "q5")) * 4      # bytes per row per block
 
     def typer(typingctx, qt, sc, xq, xd, xa, nb, out):
         if not (_arr(qt, types.uint8) and _arr(sc, types.uint16) and _arr(xq, types.int8)
@@ -227,13 +231,14 @@ def _tile_dot(q4):
             outp = _data(context, builder, sig.args[6], args[6])
             R = TILE_ROWS
             n4 = 4 * L
+            vi = _vec(I32, L)
             m15 = ir.Constant(_vec(I8, n4), [15] * n4)
             sh4 = ir.Constant(_vec(I8, n4), [4] * n4)
             sums = [cgutils.alloca_once_value(builder, ir.Constant(_vec(F32, L), [0.0] * L)) for _ in range(G)]
             with cgutils.for_range(builder, nbv) as loop:
                 b = loop.index
                 xb = builder.mul(b, _c(32))
-                qb = builder.mul(b, _c(groups * 4 * R))
+                qb = builder.mul(b, _c(stride * R))
                 if q4:
                     xs = [(_bcast4(builder, xqp, builder.add(xb, _c(4 * jj))),
                            _bcast4(builder, xqp, builder.add(xb, _c(16 + 4 * jj)))) for jj in range(groups)]
@@ -246,14 +251,24 @@ def _tile_dot(q4):
                 sb = builder.mul(b, _c((2 if q4 else 1) * R))
                 for k in range(G):
                     pairs = []
+                    if fmt == "q5":
+                        hw = _ld(builder, qtp, builder.add(qb, _c(4 * R * groups + n4 * k)), vi)
+
+                        def hbit(s):       # bit s of each byte of hw, moved to bit 4
+                            v = builder.and_(builder.lshr(hw, ir.Constant(vi, [s] * L)), ir.Constant(vi, [0x01010101] * L))
+                            return _bytes(builder, builder.shl(v, ir.Constant(vi, [4] * L)))
                     for jj in range(groups):
                         w = _ld(builder, qtp, builder.add(qb, _c(4 * R * jj + n4 * k)), _vec(I8, n4))
                         if q4:
-                            pairs += [(builder.and_(w, m15), xs[jj][0]),
-                                      (builder.and_(builder.lshr(w, sh4), m15), xs[jj][1])]
+                            lo = builder.and_(w, m15)
+                            hi = builder.and_(builder.lshr(w, sh4), m15)
+                            if fmt == "q5":
+                                lo = builder.or_(lo, hbit(jj))
+                                hi = builder.or_(hi, hbit(4 + jj))
+                            pairs += [(lo, xs[jj][0]), (hi, xs[jj][1])]
                         else:
                             pairs.append((w, xs[jj]))
-                    a = _bdot(builder, pairs, 15, signed=not q4)
+                    a = _bdot(builder, pairs, 31 if fmt == "q5" else 15, signed=not q4)
                     d = _halves(builder, scp, builder.add(sb, _c(L * k)))
                     s = builder.fadd(builder.load(sums[k]),
                                      builder.fmul(builder.fmul(d, xdb), builder.sitofp(a, _vec(F32, L))))
@@ -263,12 +278,13 @@ def _tile_dot(q4):
             _store_out(builder, outp, sums)
             return context.get_dummy_value()
         return types.void(qt, sc, xq, xd, xa, nb, out), codegen
-    typer.__name__ = "dot_tile_q4" if q4 else "dot_tile_q8"
+    typer.__name__ = "dot_tile_" + fmt
     return intrinsic(typer)
 
 
-dot_tile_q4 = _tile_dot(True)
-dot_tile_q8 = _tile_dot(False)
+dot_tile_q4 = _tile_dot("q4")
+dot_tile_q5 = _tile_dot("q5")
+dot_tile_q8 = _tile_dot("q8")
 
 
 # ---- K-quant tiles.  Per super-block of 256 columns, a tile of R = KTILE_ROWS rows is KBYTES[type] * R
