@@ -135,6 +135,8 @@ EXIT_INTERRUPT = 130
 def main(argv=None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
+    from .kernels import jitnote
+    jitnote.install(sys.stderr)         # one line on stderr when kernels compile (a cold cache)
     try:
         return int(args.func(args) or 0)
     except PykvError as e:

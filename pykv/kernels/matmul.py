@@ -603,6 +603,22 @@ def _mm_tile_q4_3(qa, da, oa, qb, db, ob, qc, dc, oc, T, X, XF):
 # microseconds) unless the Act already holds them, then one prange over (row tile x _ITILE_TB tokens).
 # Q4 tile sc: (nt, nb, 2, TILE_ROWS) f16 d, m; Q8: (nt, nb, 1, TILE_ROWS) f16 d.
 
+_SPECIALIZED = {}
+
+
+def _call_kind(disp, kind, *args):
+    """disp(kind, *args) where disp specializes on kind with numba.literally: the compiled specialization
+    is called directly (the dispatcher would redo its literal retry, milliseconds, on every call)."""
+    f = _SPECIALIZED.get((disp, kind))
+    if f is not None:
+        return f(kind, *args)
+    disp(kind, *args)          # compiles or loads the specialization for this kind
+    for sig, cres in disp.overloads.items():
+        if getattr(sig[0], "literal_value", None) == kind:
+            _SPECIALIZED[disp, kind] = cres.entry_point
+            break
+
+
 _ITILE_TB = 16      # prefill: tokens per work item (a tile's weights stay in L1/L2 across them)
 
 
@@ -954,10 +970,10 @@ def matmul(w: Weight, act: Act, out: np.ndarray) -> None:
     elif _EXACT:
         _mm_exact(gt, w.raw, T, act.x, act._scratch, out)
     elif w.kind == _KIND_KTILE:
-        _mm_ktile(gt, not act._q8k_ok, w.qt, w.rows, T, act.x, act.xqk, act.xdk, act.xbk, act._tail, out)
+        _call_kind(_mm_ktile, gt, not act._q8k_ok, w.qt, w.rows, T, act.x, act.xqk, act.xdk, act.xbk, act._tail, out)
         act._q8k_ok = True
     elif w.kind in _INT_KINDS:
-        _mm_itile(w.kind, not act._q8_ok, w.qt, w.sc, w.rows, T, act.x, act.xq, act.xd,
+        _call_kind(_mm_itile, w.kind, not act._q8_ok, w.qt, w.sc, w.rows, T, act.x, act.xq, act.xd,
                   act.xs, act.xf, act._tail, out)
         act._q8_ok = True
     elif T >= _BLAS_MIN_T and w.kind != _KIND_RAW:
@@ -1080,7 +1096,7 @@ def matmul_fused(ws, act: Act, outs) -> None:
         c, oc = (ws[2], outs[2]) if len(ws) == 3 else (ws[1], outs[1])
         n = c.qt.shape[0] if len(ws) == 3 else 0       # two weights: an empty third
         if kind != _KIND_TILE_Q4:
-            _mm_itile_3(kind, not act._q8_ok, a.qt, a.sc, oa, b.qt, b.sc, ob, c.qt[:n], c.sc[:n], oc, T, act.x,
+            _call_kind(_mm_itile_3, kind, not act._q8_ok, a.qt, a.sc, oa, b.qt, b.sc, ob, c.qt[:n], c.sc[:n], oc, T, act.x,
                         act.xq, act.xd, act.xs, act.xf)
             act._q8_ok = True
         else:
