@@ -61,3 +61,35 @@ def test_isa_class_from_llama_cpp_system_info():
     assert isa_from_system_info("CPU : NEON = 1 | ARM_FMA = 1 |") == "generic"
     notes = format_notes([{"ctk": "f16", "ctv": "f16", "isa": "avx2", "llamacpp": {"isa": "avxvnni"}}])
     assert "ISA class: pykv avx2 | llama.cpp avxvnni" in notes
+
+
+def test_compile_note_once_and_compile_time_excluded():
+    """First run: one stderr line at the first real compile (never on a cache load, never twice), and
+    the compile seconds that generate() subtracts from its tokens/s."""
+    import io
+
+    from numba import njit
+
+    from pykv.kernels import jitnote
+    old = dict(jitnote._state)
+    buf = io.StringIO()
+    try:
+        jitnote._state["said"] = False
+        jitnote.install(buf)
+        c0 = jitnote.compile_seconds()
+
+        def f(x):
+            return x + 1
+
+        def g(x):
+            return x * 2
+
+        assert njit(f)(1) == 2 and njit(g)(2) == 4
+        lines = buf.getvalue().splitlines()
+        assert len(lines) == 1 and "compiling kernels" in lines[0], lines
+        assert jitnote.compile_seconds() > c0
+        c1 = jitnote.compile_seconds()
+        njit(f)                                   # no compile until called: nothing added
+        assert jitnote.compile_seconds() == c1
+    finally:
+        jitnote._state.update({k: old[k] for k in ("said", "stream")})

@@ -26,22 +26,24 @@ Block layouts (ggml, little endian; "d"/"m" are f16):
           element 128h + 32k + l: lo4 = ql[64h + 32(k&1) + l] >> 4(k>>1), hi2 = qh[32h + l] >> 2k,
           x = d * sc[(128h + 32k + l) // 16] * (q - 32)
 
-Quantized-activation ("q8") mode: activations are quantized once per Act.set into blocks of 32
-(llama.cpp's q8_0/q8_1 scheme: d = amax/127, q = round(x/d), plus the block sum of q). The same
-32-blocks serve every weight type (K-quants included: their sub-blocks are 32 or 16 elements, so a
-32-block activation scale is at least as fine as llama.cpp's q8_K), so one quantization per Act serves
-Q, K, V (or gate, up) whatever their types. Float weight types (F32/F16/BF16) always use float x.
-The q8 blocks are computed lazily (only the integer-dot kernels read them).
+Quantized-activation ("q8") mode: activations are quantized once per Act (lazily, by the first kernel
+that reads them) into llama.cpp's q8_0 blocks of 32 (d = amax/127, q = round(x/d), plus the block sum
+of q) for every weight type but the K-quant tiles, which read llama.cpp's q8_K blocks of 256 (with int
+sums per 16), so their dots equal llama.cpp's vec_dot_qX_K_q8_K.  Float weight types (F32/F16/BF16)
+always use float x.
 
-Q4_0 / Q4_1 / Q8_0 weights are repacked at load into row-interleaved tiles:
-  * on hosts with AVX-512 VNNI (kernels.simd.HAS_VNNI), 64-row tiles whose 32-bit lanes hold 4 columns
-    of one row, for vpdpbusd integer dots against the q8 activations (llama.cpp's exact q4_0/q4_1/q8_0
-    x q8 dot products).  One kernel serves decode and prefill (work items: tile x 16 tokens); each
-    call quantizes its own activation rows first.  Measured on SmolLM2 (2 threads, Zen 5): decode
-    35 GB/s of weights from DRAM (2.9x the float tiles), prefill 3.9x dequantize + sgemm.
-  * elsewhere, float-activation tiles (vectorized across rows); prefill (T >= _BLAS_MIN_T) then goes
-    through each of numba.get_num_threads() Python threads dequantizing its share of the row tiles to
-    a float32 W^T chunk and calling a single-threaded sgemm (2.3x those tile kernels at T=128).
+Integer-dot tiles (kernels.tiles: one source for the AVX-512 VNNI, AVX-VNNI, AVX2 and generic-vector
+classes, chosen by what Numba compiles for), repacked at load:
+  * Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0: tiles of TILE_ROWS rows whose 32-bit lanes hold 4 columns of
+    one row, against q8_0 activations (llama.cpp's exact q4_0 ... q8_0 x q8 dot products).
+  * Q4_K / Q5_K / Q6_K: tiles of KTILE_ROWS rows per 256-column super-block, against q8_K activations.
+  One kernel per family serves decode and prefill (work items: tile x 16 tokens); each call quantizes
+  its activation rows first unless the Act holds them.  Measured on SmolLM2 (2 threads, Zen 5, AVX-512
+  VNNI): decode 35 GB/s of weights from DRAM (2.9x the float tiles), prefill 3.9x dequantize + sgemm.
+  Q2_K / Q3_K (and any weight with a non-finite f16 scale) run the generic per-row q8 kernel.
+With q8_act=False, Q4_0 / Q4_1 / Q8_0 use float-activation tiles (vectorized across rows); prefill
+(T >= _BLAS_MIN_T) then goes through each of numba.get_num_threads() Python threads dequantizing its
+share of the row tiles to a float32 W^T chunk and calling a single-threaded sgemm.
 """
 from __future__ import annotations
 
