@@ -136,7 +136,8 @@ def main(argv=None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
     from .kernels import jitnote
-    jitnote.install(sys.stderr)         # one line on stderr when kernels compile (a cold cache)
+    # one line on stderr when kernels compile (a cold cache); on a terminal only, like bench's progress
+    jitnote.install(sys.stderr if sys.stderr.isatty() else None)
     try:
         return int(args.func(args) or 0)
     except PykvError as e:
