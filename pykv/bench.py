@@ -158,8 +158,9 @@ class _PykvEngine:
 
     def info(self) -> dict:
         import numba
+        from .kernels.tiles import ISA
         return {"kv_rotate": bool(self.m.rotate), "kv_bytes_per_token": float(self.m.kv_bytes_per_token()),
-                "threads_used": int(numba.get_num_threads())}
+                "threads_used": int(numba.get_num_threads()), "isa": ISA}
 
     def close(self) -> None:
         self.m.new_sequence()
@@ -205,7 +206,28 @@ class _LlamaEngine:
         self.llm.eval([int(i) for i in ids])
 
     def info(self) -> dict:
-        return {}
+        import llama_cpp
+        try:
+            sysinfo = llama_cpp.llama_print_system_info()
+        except Exception:            # pragma: no cover - older bindings
+            return {"isa": "unknown"}
+        if isinstance(sysinfo, bytes):
+            sysinfo = sysinfo.decode("utf-8", "replace")
+        return {"isa": isa_from_system_info(sysinfo)}
+
+
+def isa_from_system_info(text: str) -> str:
+    """The ISA class (kernels.tiles.ISA_CLASSES) of a ggml build from its system-info line
+    ("AVX2 = 1 | AVX_VNNI = 0 | AVX512 = 1 | AVX512_VNNI = 1 | ...")."""
+    import re
+    on = {m.group(1).upper() for m in re.finditer(r"([A-Za-z0-9_]+)\s*=\s*1\b", text)}
+    if {"AVX512", "AVX512_VNNI"} <= on:
+        return "avx512vnni"
+    if {"AVX2", "AVX_VNNI"} <= on:
+        return "avxvnni"
+    if "AVX2" in on:
+        return "avx2"
+    return "generic"
 
     def close(self) -> None:
         try:
@@ -272,11 +294,12 @@ def _llama_cells(path, plan, ctk, ctv, t, fa_mode, rng, log) -> tuple[dict, str 
             errors.append(str(e))
             continue
         try:
+            isa = eng.info()["isa"]
             res = _measure(eng, plan, rng, log, f"llama.cpp {ctk}/{ctv} t{t} fa {fa_s}")
         finally:
             eng.close()
         for key, (pp, tg) in res.items():
-            cell = best.setdefault(key, {"pp_tps": None, "tg_tps": None, "pp_fa": None, "tg_fa": None})
+            cell = best.setdefault(key, {"pp_tps": None, "tg_tps": None, "pp_fa": None, "tg_fa": None, "isa": isa})
             for name, samples in (("pp", pp), ("tg", tg)):
                 med, sd = _stats(samples)
                 if med is not None and (cell[f"{name}_tps"] is None or med > cell[f"{name}_tps"]):
@@ -416,7 +439,10 @@ def format_markdown(rows: list[dict]) -> str:
 def format_notes(rows: list[dict]) -> str:
     errs = dict.fromkeys(f"llama.cpp {r['ctk']}/{r['ctv']}: {r['llamacpp']['error']}"
                          for r in rows if "llamacpp" in r and r["llamacpp"].get("error"))
-    return "\n".join(errs)
+    isa = dict.fromkeys(f"ISA class: pykv {r.get('isa', 'unknown')}"
+                        + (f" | llama.cpp {r['llamacpp'].get('isa', 'unknown')}" if "llamacpp" in r else "")
+                        for r in rows)
+    return "\n".join(list(isa) + list(errs))
 
 
 # ---- CLI ------------------------------------------------------------------------------------------------------

@@ -154,6 +154,9 @@ def _warn_one_line(message, category, filename, lineno, file=None, line=None) ->
 def main(argv=None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
+    from .kernels import jitnote
+    # one line on stderr when kernels compile (a cold cache); on a terminal only, like bench's progress
+    jitnote.install(sys.stderr if sys.stderr.isatty() else None)
     with warnings.catch_warnings():
         warnings.simplefilter("default")            # each warning once per command
         warnings.showwarning = _warn_one_line       # one line too, not file:line + source

@@ -54,10 +54,36 @@ def q8_blocks(x):
     return xq, xd
 
 
-def q8_emulate(x):
-    """float64 x after the q8 activation quantization (what the integer path sees)."""
-    xq, xd = q8_blocks(x)
-    return (xq.reshape(x.shape[0], -1, 32) * xd[..., None].astype(np.float64)).reshape(x.shape)
+def q8_emulate(x, block=32):
+    """float64 x after the q8 activation quantization (what the integer path sees): llama.cpp's q8_0
+    blocks of 32, or its q8_K blocks of 256 (block=256, the K-quant tiles)."""
+    if block == 256:
+        T, cols = x.shape
+        xq = np.zeros((T, cols), np.int8)
+        xd, xb = np.zeros((T, cols // 256), np.float32), np.zeros((T, cols // 16), np.int32)
+        M.quantize_act_q8k(np.ascontiguousarray(x, np.float32), T, xq, xd, xb)
+        assert np.array_equal(xb, xq.reshape(T, -1, 16).sum(axis=-1))
+    else:
+        xq, xd = q8_blocks(x)
+    return (xq.reshape(x.shape[0], -1, block) * xd[..., None].astype(np.float64)).reshape(x.shape)
+
+
+def test_q8k_activation_blocks_match_llama_cpp_rule():
+    """q8_K (quantize_row_q8_K_ref): d = max / -127 with max the value of largest magnitude, codes
+    rint(x / d) capped at 127, so the extreme value maps to -127 exactly and no code is -128."""
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal((3, 512)).astype(np.float32)
+    x[0, 5] = 9.0
+    x[1, 300] = -9.0
+    x[2, 256:] = 0.0                                        # an all-zero block
+    xq = np.zeros((3, 512), np.int8)
+    xd, xb = np.zeros((3, 2), np.float32), np.zeros((3, 32), np.int32)
+    M.quantize_act_q8k(x, 3, xq, xd, xb)
+    assert xq[0, 5] == -127 and xq[1, 300] == -127 and xq.min() >= -127
+    assert xd[0, 0] == np.float32(1) / (np.float32(-127) / np.float32(9)) and xd[2, 1] == 0
+    iscale = np.float32(-127) / x[0, np.abs(x[0, :256]).argmax()]
+    assert np.array_equal(xq[0, :256], np.minimum(127, np.rint(iscale * x[0, :256])).astype(np.int8))
+    assert np.array_equal(xb, xq.reshape(3, -1, 16).sum(axis=-1))
 
 
 def test_q8_activation_blocks_match_gguf_q8_0():
@@ -81,7 +107,7 @@ def assert_kernel_result(w, x, ref_w, out):
     """out (T, rows) equals float64 x @ W^T elementwise to 1e-5 of each dot's magnitude scale, with x
     first q8-quantized where the default kernel multiplies 8-bit activations (w.int_dot): the float
     paths (F32/F16/BF16, float tiles, their sgemm prefill) have no looser excuse."""
-    xr = q8_emulate(x) if w.int_dot else x.astype(np.float64)
+    xr = q8_emulate(x, w.act_block) if w.int_dot else x.astype(np.float64)
     ref = xr @ ref_w.T
     scale = np.abs(xr) @ np.abs(ref_w).T
     bad = np.abs(out - ref) > 1e-5 * scale + 1e-30
@@ -134,7 +160,7 @@ def test_matmul(t, T, threads, exact_mode):
     else:
         assert err < 2e-2                     # 8-bit activation quantization
         # and the integer path computes exactly the dot with the quantized activations
-        ref_q = q8_emulate(x) @ ref_w.T
+        ref_q = q8_emulate(x, w.act_block) @ ref_w.T
         assert np.linalg.norm(out[:T] - ref_q) <= 1e-6 * np.linalg.norm(scale)
     assert np.all(np.isnan(out[T:]))
 
@@ -234,18 +260,16 @@ def test_bad_call_arguments():
         M.get_rows(w, np.array([8]), np.zeros((1, 64), np.float32))
 
 
-@pytest.fixture(params=["vnni", "float"])
+@pytest.fixture(params=["int", "float"])
 def tile_kind(request):
-    """Both Q4_0/Q4_1/Q8_0 tile families: the AVX-512 VNNI integer-dot tiles (when the host has them)
-    and the float-activation tiles every host can run (prepare_weight's q8_act)."""
-    if request.param == "vnni" and not M.HAS_VNNI:
-        pytest.skip("host has no AVX-512 VNNI")
+    """Both Q4_0/Q4_1/Q8_0 tile families: the integer-dot tiles (kernels.tiles, for the ISA class Numba
+    compiles for) and the float-activation tiles (prepare_weight's q8_act=False)."""
     return request.param
 
 
 def _tile_ref(w, x, ref_w):
-    """What a tile weight's decode kernel computes: the q8-activation dot (VNNI) or the float one."""
-    return (q8_emulate(x) if w.int_dot else x.astype(np.float64)) @ ref_w.T
+    """What a tile weight's decode kernel computes: the q8-activation dot (integer tiles) or the float one."""
+    return (q8_emulate(x, w.act_block) if w.int_dot else x.astype(np.float64)) @ ref_w.T
 
 
 @pytest.mark.parametrize("gt", [GT.Q8_0, GT.Q4_1, GT.Q4_0])
@@ -257,7 +281,7 @@ def test_large_activations_stay_finite(gt, tile_kind):
     W = (rng.standard_normal((rows, cols)) * 0.02).astype(np.float32)
     W[0] = 0.0
     q = quants.quantize(W, gt)
-    w = M.prepare_weight(gt, q, rows, cols, q8_act=tile_kind == "vnni")
+    w = M.prepare_weight(gt, q, rows, cols, q8_act=tile_kind == "int")
     x = (rng.standard_normal((3, cols)) * 3000).astype(np.float32)
     act = M.Act(cols, 4)
     act.set(x)
@@ -278,7 +302,7 @@ def test_tile_paths_exact_and_fused(T, threads, tile_kind):
     ws, refs, outs = [], [], []
     for t, rows in ((GT.Q4_1, 128), (GT.Q4_0, 64), (GT.Q4_1, 192), (GT.Q8_0, 200)):
         data, ref_w = make_weight(t, rows, cols, rng)
-        ws.append(M.prepare_weight(int(t), data, rows, cols, q8_act=tile_kind == "vnni"))
+        ws.append(M.prepare_weight(int(t), data, rows, cols, q8_act=tile_kind == "int"))
         refs.append(ref_w)
         outs.append(np.zeros((T, rows), np.float32))
     x = rng.standard_normal((T, cols)).astype(np.float32)
@@ -287,7 +311,7 @@ def test_tile_paths_exact_and_fused(T, threads, tile_kind):
     M.matmul_fused(ws[:3], act, outs[:3])       # three full-tile Q4 weights: one region
     M.matmul_fused(ws[2:], act, outs[2:])       # mixed kinds: falls back to one call each
     for w, ref_w, out in zip(ws, refs, outs):
-        assert w.kind in ((3, 4) if tile_kind == "vnni" else (1, 2)), w
+        assert w.kind in (M._INT_KINDS if tile_kind == "int" else (1, 2)), w
         ref = _tile_ref(w, x, ref_w) if (w.int_dot or T < M._BLAS_MIN_T) else x.astype(np.float64) @ ref_w.T
         assert np.abs(out - ref).max() <= 1e-5 * np.abs(ref).max(), (w, T)
 

@@ -45,7 +45,10 @@ def synth(ggml_type, shapes, rng):
             data = x.astype(np.float16)
         elif ggml_type in (GT.Q4_K, GT.Q5_K, GT.Q6_K):
             bpb = M._BLOCK[int(ggml_type)][1]
-            data = rng.integers(0, 256, size=(rows, cols // 256 * bpb), dtype=np.uint8)
+            data = rng.integers(0, 256, size=(rows, cols // 256, bpb), dtype=np.uint8)
+            for o in ((208,) if ggml_type == GT.Q6_K else (0, 2)):      # finite f16 super-block scales
+                data[:, :, o:o + 2] = rng.uniform(0, 0.02, (rows, cols // 256, 1)).astype(np.float16).view(np.uint8)
+            data = data.reshape(rows, -1)
         else:
             data = quants.quantize(x, ggml_type)
         out.append((name, M.prepare_weight(int(ggml_type), data, rows, cols)))
@@ -93,7 +96,7 @@ def main():
     groups[f"{GT(head[0][1].ggml_type).name} (model LM head {head[0][1].rows}x{head[0][1].cols})"] = head
     for tn in a.types.split(","):
         t = GT[tn]
-        groups[f"{tn} (one layer's shapes, x4)"] = synth(t, shapes, rng) * 4
+        groups[f"{tn} (one layer's shapes, x4)"] = synth(t, shapes * 4, rng)     # 4 distinct copies
     for nt in [int(s) for s in a.threads.split(",")]:
         numba.set_num_threads(nt)
         print(f"--- threads={nt} exact={a.exact}")

@@ -26,37 +26,41 @@ Block layouts (ggml, little endian; "d"/"m" are f16):
           element 128h + 32k + l: lo4 = ql[64h + 32(k&1) + l] >> 4(k>>1), hi2 = qh[32h + l] >> 2k,
           x = d * sc[(128h + 32k + l) // 16] * (q - 32)
 
-Quantized-activation ("q8") mode: activations are quantized once per Act.set into blocks of 32
-(llama.cpp's q8_0/q8_1 scheme: d = amax/127, q = round(x/d), plus the block sum of q). The same
-32-blocks serve every weight type (K-quants included: their sub-blocks are 32 or 16 elements, so a
-32-block activation scale is at least as fine as llama.cpp's q8_K), so one quantization per Act serves
-Q, K, V (or gate, up) whatever their types. Float weight types (F32/F16/BF16) always use float x.
-The q8 blocks are computed lazily (only the integer-dot kernels read them).
+Quantized-activation ("q8") mode: activations are quantized once per Act (lazily, by the first kernel
+that reads them) into llama.cpp's q8_0 blocks of 32 (d = amax/127, q = round(x/d), plus the block sum
+of q) for every weight type but the K-quant tiles, which read llama.cpp's q8_K blocks of 256 (with int
+sums per 16), so their dots equal llama.cpp's vec_dot_qX_K_q8_K.  Float weight types (F32/F16/BF16)
+always use float x.
 
-Q4_0 / Q4_1 / Q8_0 weights are repacked at load into row-interleaved tiles:
-  * on hosts with AVX-512 VNNI (kernels.simd.HAS_VNNI), 64-row tiles whose 32-bit lanes hold 4 columns
-    of one row, for vpdpbusd integer dots against the q8 activations (llama.cpp's exact q4_0/q4_1/q8_0
-    x q8 dot products).  One kernel serves decode and prefill (work items: tile x 16 tokens); each
-    call quantizes its own activation rows first.  Measured on SmolLM2 (2 threads, Zen 5): decode
-    35 GB/s of weights from DRAM (2.9x the float tiles), prefill 3.9x dequantize + sgemm.
-  * elsewhere, float-activation tiles (vectorized across rows); prefill (T >= _BLAS_MIN_T) then goes
-    through each of numba.get_num_threads() Python threads dequantizing its share of the row tiles to
-    a float32 W^T chunk and calling a single-threaded sgemm (2.3x those tile kernels at T=128).
+Integer-dot tiles (kernels.tiles: one source for the AVX-512 VNNI, AVX-VNNI, AVX2 and generic-vector
+classes, chosen by what Numba compiles for), repacked at load:
+  * Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0: tiles of TILE_ROWS rows whose 32-bit lanes hold 4 columns of
+    one row, against q8_0 activations (llama.cpp's exact q4_0 ... q8_0 x q8 dot products).
+  * Q4_K / Q5_K / Q6_K: tiles of KTILE_ROWS rows per 256-column super-block, against q8_K activations.
+  One kernel per family serves decode and prefill (work items: tile x 16 tokens); each call quantizes
+  its activation rows first unless the Act holds them.  Measured on SmolLM2 (2 threads, Zen 5, AVX-512
+  VNNI): decode 35 GB/s of weights from DRAM (2.9x the float tiles), prefill 3.9x dequantize + sgemm.
+  Q2_K / Q3_K (and any weight with a non-finite f16 scale) run the generic per-row q8 kernel.
+With q8_act=False, Q4_0 / Q4_1 / Q8_0 use float-activation tiles (vectorized across rows); prefill
+(T >= _BLAS_MIN_T) then goes through each of numba.get_num_threads() Python threads dequantizing its
+share of the row tiles to a float32 W^T chunk and calling a single-threaded sgemm.
 """
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from numba import literally, njit, prange
 import numba
 
 from gguf import GGMLQuantizationType as _GT
 
 from ..formats import KV_FORMATS
 from .blocks import deq_rows, rd_f16
-from .simd import HAS_VNNI, TILE_ROWS, dot_tile_q4, dot_tile_q8, h2f
+from .simd import h2f
+from .tiles import (ISA, KTILE_ROWS, TILE_ROWS, dot_ktile_q4k, dot_ktile_q5k, dot_ktile_q6k, dot_tile_q4,
+                    dot_tile_q5, dot_tile_q8, repack_ktile)
 
 __all__ = ["Weight", "Act", "prepare_weight", "matmul", "matmul_fused", "get_rows", "set_exact", "quantize_act_q8",
-           "SUPPORTED_TYPES"]
+           "quantize_act_q8k", "SUPPORTED_TYPES", "ISA"]
 
 # fast-math without nnan/ninf (keeps inf/nan semantics honest) and without denormal flushing
 _FM = {"contract", "reassoc", "nsz", "arcp"}
@@ -297,6 +301,38 @@ def quantize_act_q8(x, T, XQ, XD, XS, XF):
                 s += q
             XD[t, b] = d
             XS[t, b] = s
+
+
+@njit(cache=True, nogil=True)
+def quantize_act_q8k(x, T, XQ, XD, XB):
+    """llama.cpp's q8_K blocks of x[:T] (quantize_row_q8_K_ref): per 256 values d = -max / 127 where max is
+    the value of largest magnitude, q = rint(x / d) capped at 127; XB int sums of each 16 codes."""
+    nsb = XD.shape[1]
+    for t in range(T):
+        for b in range(nsb):
+            amax = np.float32(0.0)
+            mx = np.float32(0.0)
+            for j in range(256):
+                v = x[t, 256 * b + j]
+                if abs(v) > amax:
+                    amax = abs(v)
+                    mx = v
+            if amax == 0:
+                XD[t, b] = 0.0
+                for j in range(256):
+                    XQ[t, 256 * b + j] = 0
+                for h in range(16):
+                    XB[t, 16 * b + h] = 0
+                continue
+            iscale = np.float32(-127.0) / mx
+            for h in range(16):
+                s = 0
+                for j in range(16 * h, 16 * h + 16):
+                    q = min(127, np.int32(np.rint(iscale * x[t, 256 * b + j])))
+                    XQ[t, 256 * b + j] = q
+                    s += q
+                XB[t, 16 * b + h] = s
+            XD[t, b] = np.float32(1.0) / iscale
 
 
 @njit(cache=True, nogil=True, fastmath=_FM)
@@ -564,59 +600,107 @@ def _mm_tile_q4_3(qa, da, oa, qb, db, ob, qc, dc, oc, T, X, XF):
                 _tile_q4_1tok(qc, dc, k, nblk, R, X[t], XF[t], oc[t, k * R:k * R + R])
 
 
-# ---- AVX-512 VNNI integer-dot tiles (kernels.simd.dot_tile_q4 / dot_tile_q8; layouts there).  Each
-# kernel first quantizes its activation rows to q8 blocks (serial: a few microseconds), then one prange
-# over 64-row tiles.  Q4 tile sc: (nt, nb, 2, 64) f16 d, m; Q8: (nt, nb, 1, 64) f16 d.
+# ---- integer-dot tiles (kernels.tiles: dot_tile_q4 / dot_tile_q8, dot_ktile_*; layouts there), one
+# source for every ISA class.  Each kernel first quantizes its activation rows (serial: a few
+# microseconds) unless the Act already holds them, then one prange over (row tile x _ITILE_TB tokens).
+# Q4 tile sc: (nt, nb, 2, TILE_ROWS) f16 d, m; Q8: (nt, nb, 1, TILE_ROWS) f16 d.
 
-@njit(cache=True, nogil=True, inline="always")
-def _vnni_tile(q4, qt, sc, tile, nb, XQ, XD, XS, XF, t, o):
-    if q4:
-        dot_tile_q4(qt[tile], sc[tile], XQ[t], XD[t], XS[t], nb, o)
-    else:
-        dot_tile_q8(qt[tile], sc[tile], XQ[t], XD[t], XS[t], nb, o)
+_SPECIALIZED = {}
 
 
-_VNNI_TB = 16      # prefill: tokens per work item (a tile's weights stay in L1/L2 across them)
+def _call_kind(disp, kind, *args):
+    """disp(kind, *args) where disp specializes on kind with numba.literally: the compiled specialization
+    is called directly (the dispatcher would redo its literal retry, milliseconds, on every call)."""
+    f = _SPECIALIZED.get((disp, kind))
+    if f is not None:
+        return f(kind, *args)
+    disp(kind, *args)          # compiles or loads the specialization for this kind
+    for sig, cres in disp.overloads.items():
+        if getattr(sig[0], "literal_value", None) == kind:
+            _SPECIALIZED[disp, kind] = cres.entry_point
+            break
+
+
+_ITILE_TB = 16      # prefill: tokens per work item (a tile's weights stay in L1/L2 across them)
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=_FM)
-def _mm_vnni(q4, qt, sc, rows, T, X, XQ, XD, XS, XF, tail, out):
-    quantize_act_q8(X, T, XQ, XD, XS, XF)
+def _mm_itile(kind, quant, qt, sc, rows, T, X, XQ, XD, XS, XF, tail, out):
+    """Q4 / Q5 / Q8 integer tiles; kind (_KIND_ITILE_*) is a compile-time literal."""
+    literally(kind)
+    if quant:
+        quantize_act_q8(X, T, XQ, XD, XS, XF)
     nt, nb, R = qt.shape[0], qt.shape[1], qt.shape[3]
-    ntb = (T + _VNNI_TB - 1) // _VNNI_TB
+    ntb = (T + _ITILE_TB - 1) // _ITILE_TB
     for it in prange(nt * ntb):
         tile = it // ntb
-        t0 = (it % ntb) * _VNNI_TB
+        t0 = (it % ntb) * _ITILE_TB
         r0 = tile * R
-        if r0 + R <= rows:
-            for t in range(t0, min(T, t0 + _VNNI_TB)):
-                _vnni_tile(q4, qt, sc, tile, nb, XQ, XD, XS, XF, t, out[t, r0:r0 + R])
-        else:
-            for t in range(t0, min(T, t0 + _VNNI_TB)):
-                _vnni_tile(q4, qt, sc, tile, nb, XQ, XD, XS, XF, t, tail[t, :R])
+        full = r0 + R <= rows
+        for t in range(t0, min(T, t0 + _ITILE_TB)):
+            o = out[t, r0:r0 + R] if full else tail[t, :R]
+            if kind == _KIND_ITILE_Q4:
+                dot_tile_q4(qt[tile], sc[tile], XQ[t], XD[t], XS[t], nb, o)
+            elif kind == _KIND_ITILE_Q5:
+                dot_tile_q5(qt[tile], sc[tile], XQ[t], XD[t], XS[t], nb, o)
+            else:
+                dot_tile_q8(qt[tile], sc[tile], XQ[t], XD[t], XS[t], nb, o)
+            if not full:
                 for i in range(rows - r0):
                     out[t, r0 + i] = tail[t, i]
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=_FM)
-def _mm_vnni_3(qa, sa, oa, qb, sb, ob, qc, sc, oc, T, X, XQ, XD, XS, XF):
-    """Three full-tile Q4 VNNI weights sharing X (Q/K/V, or gate/up with qc empty): one region."""
-    quantize_act_q8(X, T, XQ, XD, XS, XF)
+def _mm_itile_3(kind, quant, qa, sa, oa, qb, sb, ob, qc, sc, oc, T, X, XQ, XD, XS, XF):
+    """Three full-tile Q4 (or three Q5) integer tile weights sharing X (Q/K/V, or gate/up with qc empty):
+    one region.  kind: a compile-time literal."""
+    literally(kind)
+    if quant:
+        quantize_act_q8(X, T, XQ, XD, XS, XF)
     na, nb_ = qa.shape[0], qb.shape[0]
     nblk, R = qa.shape[1], qa.shape[3]
-    ntb = (T + _VNNI_TB - 1) // _VNNI_TB
+    ntb = (T + _ITILE_TB - 1) // _ITILE_TB
     for w in prange((na + nb_ + qc.shape[0]) * ntb):
         it = w // ntb
-        t0 = (w % ntb) * _VNNI_TB
-        for t in range(t0, min(T, t0 + _VNNI_TB)):
+        t0 = (w % ntb) * _ITILE_TB
+        for t in range(t0, min(T, t0 + _ITILE_TB)):
             if it < na:
-                dot_tile_q4(qa[it], sa[it], XQ[t], XD[t], XS[t], nblk, oa[t, it * R:it * R + R])
+                q, s, k, o = qa, sa, it, oa
             elif it < na + nb_:
-                k = it - na
-                dot_tile_q4(qb[k], sb[k], XQ[t], XD[t], XS[t], nblk, ob[t, k * R:k * R + R])
+                q, s, k, o = qb, sb, it - na, ob
             else:
-                k = it - na - nb_
-                dot_tile_q4(qc[k], sc[k], XQ[t], XD[t], XS[t], nblk, oc[t, k * R:k * R + R])
+                q, s, k, o = qc, sc, it - na - nb_, oc
+            if kind == _KIND_ITILE_Q4:
+                dot_tile_q4(q[k], s[k], XQ[t], XD[t], XS[t], nblk, o[t, k * R:k * R + R])
+            else:
+                dot_tile_q5(q[k], s[k], XQ[t], XD[t], XS[t], nblk, o[t, k * R:k * R + R])
+
+
+@njit(cache=True, nogil=True, parallel=True, fastmath=_FM)
+def _mm_ktile(gt, quant, qt, rows, T, X, XQ, XD, XB, tail, out):
+    """K-quant tiles (kernels.tiles.dot_ktile_*) against q8_K activations.  gt is a compile-time literal:
+    a model compiles only the types it has."""
+    literally(gt)
+    if quant:
+        quantize_act_q8k(X, T, XQ, XD, XB)
+    nt, nsb, R = qt.shape[0], XD.shape[1], KTILE_ROWS
+    ntb = (T + _ITILE_TB - 1) // _ITILE_TB
+    for it in prange(nt * ntb):
+        tile = it // ntb
+        t0 = (it % ntb) * _ITILE_TB
+        r0 = tile * R
+        full = r0 + R <= rows
+        for t in range(t0, min(T, t0 + _ITILE_TB)):
+            o = out[t, r0:r0 + R] if full else tail[t, :R]
+            if gt == Q4_K:
+                dot_ktile_q4k(qt[tile], XQ[t], XD[t], XB[t], nsb, o)
+            elif gt == Q5_K:
+                dot_ktile_q5k(qt[tile], XQ[t], XD[t], XB[t], nsb, o)
+            else:
+                dot_ktile_q6k(qt[tile], XQ[t], XD[t], XB[t], nsb, o)
+            if not full:
+                for i in range(rows - r0):
+                    out[t, r0 + i] = tail[t, i]
 
 
 # ---- prefill: dequantize the tiles once per call to float32 W^T (cols, rows), then one BLAS sgemm
@@ -655,12 +739,11 @@ def _f16_bits(b2):
     return np.ascontiguousarray(b2).view(np.uint16)[..., 0]
 
 
-def _repack_tiles(gt, raw, rows, cols, R, vnni):
+def _repack_tiles(gt, raw, rows, cols, R, itile):
     """ggml Q4_0 / Q4_1 / Q8_0 rows -> row-interleaved tiles (qt, sc) of R rows (the last zero-padded).
-    Float-activation layout: qt[tile, b, j, row] (byte j of each row's block b); VNNI layout:
-    qt[tile, b, group, row, 4] (4 bytes of one row per 32-bit lane, kernels.simd.dot_tile_q4/q8; Q8_0
-    bytes XOR 0x80). sc: f16 bits, Q8_0 d (tile, b, row) (VNNI: (tile, b, 1, row)), Q4 d and m
-    (tile, b, 2, row)."""
+    Float-activation layout: qt[tile, b, j, row] (byte j of each row's block b); integer-tile layout:
+    qt[tile, b, group, row, 4] (4 bytes of one row per 32-bit lane, kernels.tiles.dot_tile_q4/q8).
+    sc: f16 bits, Q8_0 d (tile, b, row) (integer tiles: (tile, b, 1, row)), Q4 d and m (tile, b, 2, row)."""
     nb = cols // 32
     nt = -(-rows // R)
     pad = nt * R - rows
@@ -670,18 +753,26 @@ def _repack_tiles(gt, raw, rows, cols, R, vnni):
         blk = np.concatenate([blk, np.zeros((pad, nb, bpb), np.uint8)])
     d = _f16_bits(blk[:, :, 0:2]).reshape(nt, R, nb).transpose(0, 2, 1)
     if gt == Q8_0:
-        q = blk[:, :, 2:34] ^ np.uint8(0x80) if vnni else blk[:, :, 2:34].view(np.int8)
-        sc = d[:, :, None, :] if vnni else d
+        q = blk[:, :, 2:34] if itile else blk[:, :, 2:34].view(np.int8)
+        sc = d[:, :, None, :] if itile else d
     else:
-        if gt == Q4_1:
+        qo = {Q4_0: 2, Q4_1: 4, Q5_0: 6, Q5_1: 8}[gt]
+        q = blk[:, :, qo:qo + 16]
+        if gt in (Q4_1, Q5_1):
             m = _f16_bits(blk[:, :, 2:4]).reshape(nt, R, nb).transpose(0, 2, 1)
-            q = blk[:, :, 4:20]
-        else:  # Q4_0: d * (q - 8) = d * q + (-8 d), and -8 d is exact in f16 unless it overflows
-            m = (np.ascontiguousarray(d).view(np.float16) * np.float16(-8.0)).view(np.uint16)
-            q = blk[:, :, 2:18]
+        else:  # Q4_0 / Q5_0: d * (q - z) = d * q + (-z d), and -z d is exact in f16 unless it overflows
+            z = np.float16(-8.0 if gt == Q4_0 else -16.0)
+            m = (np.ascontiguousarray(d).view(np.float16) * z).view(np.uint16)
         sc = np.stack([d, m], axis=2)
+        if gt in (Q5_0, Q5_1):      # qh -> a fifth 4-byte group (kernels.tiles.dot_tile_q5's layout)
+            qh = np.ascontiguousarray(blk[:, :, qo - 4:qo]).view(np.uint32)[..., 0]
+            bits = ((qh[..., None] >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
+            lo = bits[..., :16].reshape(*qh.shape, 4, 4)         # [jj][c]
+            hi = bits[..., 16:].reshape(*qh.shape, 4, 4)
+            sh = np.arange(4, dtype=np.uint8)[:, None]
+            q = np.concatenate([q, ((lo << sh) | (hi << (sh + 4))).sum(axis=-2, dtype=np.uint8)], axis=2)
     w = q.shape[2]
-    if vnni:
+    if itile:
         qt = q.reshape(nt, R, nb, w // 4, 4).transpose(0, 2, 3, 1, 4)
     else:
         qt = q.reshape(nt, R, nb, w).transpose(0, 2, 3, 1)
@@ -694,9 +785,12 @@ def _repack_tiles(gt, raw, rows, cols, R, vnni):
 _KIND_RAW = 0        # generic raw-bytes kernels
 _KIND_TILE_Q4 = 1    # row-interleaved Q4_0 / Q4_1
 _KIND_TILE_Q8 = 2    # row-interleaved Q8_0
-_KIND_VNNI_Q4 = 3    # 64-row VNNI tiles, Q4_0 / Q4_1 (q8 activations, integer dots)
-_KIND_VNNI_Q8 = 4    # 64-row VNNI tiles, Q8_0
-_VNNI_KINDS = (_KIND_VNNI_Q4, _KIND_VNNI_Q8)
+_KIND_ITILE_Q4 = 3   # integer-dot tiles (kernels.tiles), Q4_0 / Q4_1 (q8_0 activations)
+_KIND_ITILE_Q8 = 4   # integer-dot tiles, Q8_0
+_KIND_ITILE_Q5 = 6   # integer-dot tiles, Q5_0 / Q5_1
+_KIND_KTILE = 5      # integer-dot K-quant tiles, Q4_K / Q5_K / Q6_K (q8_K activations)
+_INT_KINDS = (_KIND_ITILE_Q4, _KIND_ITILE_Q8, _KIND_KTILE, _KIND_ITILE_Q5)
+_KTILE_FMT = {Q4_K: "q4k", Q5_K: "q5k", Q6_K: "q6k"}
 
 
 class Weight:
@@ -707,7 +801,12 @@ class Weight:
     @property
     def int_dot(self) -> bool:
         """True when the default (non-exact) mode uses 8-bit activations + integer dots."""
-        return (self.kind == _KIND_RAW and self.ggml_type not in _FLOAT_TYPES) or self.kind in _VNNI_KINDS
+        return (self.kind == _KIND_RAW and self.ggml_type not in _FLOAT_TYPES) or self.kind in _INT_KINDS
+
+    @property
+    def act_block(self) -> int:
+        """Activation quantization block of the integer path: 256 (q8_K, the K-quant tiles) or 32 (q8_0)."""
+        return 256 if self.kind == _KIND_KTILE else 32
 
     def __repr__(self):
         return (f"Weight({_GT(self.ggml_type).name}, rows={self.rows}, cols={self.cols}, "
@@ -755,7 +854,8 @@ def check_weight(ggml_type, data: np.ndarray, rows: int, cols: int):
 
 def prepare_weight(ggml_type: int, data: np.ndarray, rows: int, cols: int, q8_act: bool = True) -> Weight:
     """Validate (check_weight) and wrap a GGUF 2-D weight (gguf shape [cols, rows]) for matmul/get_rows.
-    q8_act=False keeps Q4_0/Q4_1/Q8_0 on the float-activation tiles even where VNNI is available."""
+    q8_act=False keeps Q4_0/Q4_1/Q8_0 on the float-activation tiles and the K-quants on the generic kernel
+    (the integer-dot tiles, q8 activations, are the default on every host)."""
     gt, raw = check_weight(ggml_type, data, rows, cols)
     rows, cols = int(rows), int(cols)
     w = Weight()
@@ -768,18 +868,32 @@ def prepare_weight(ggml_type: int, data: np.ndarray, rows: int, cols: int, q8_ac
         w.fw = raw.view(np.float32)
     elif gt in (F16, BF16):
         w.fw = raw.view(np.uint16)
-    elif gt in (Q4_0, Q4_1, Q8_0):
-        vnni = HAS_VNNI and q8_act
-        if vnni:
-            R, kind = TILE_ROWS, (_KIND_VNNI_Q8 if gt == Q8_0 else _KIND_VNNI_Q4)
+    elif gt in (Q4_0, Q4_1, Q8_0) or (gt in (Q5_0, Q5_1) and q8_act):
+        if q8_act:
+            R, kind = TILE_ROWS, {Q8_0: _KIND_ITILE_Q8, Q5_0: _KIND_ITILE_Q5, Q5_1: _KIND_ITILE_Q5}.get(gt, _KIND_ITILE_Q4)
         else:
             R, kind = (_R_Q8, _KIND_TILE_Q8) if gt == Q8_0 else (_R_Q4, _KIND_TILE_Q4)
-        qt, sc = _repack_tiles(gt, raw, rows, cols, R, vnni)
+        qt, sc = _repack_tiles(gt, raw, rows, cols, R, q8_act)
         # the tile kernels run only with finite f16 scales (fast-math sums): inf / NaN stay on the generic kernel
-        if np.all(sc & np.uint16(0x7C00) != np.uint16(0x7C00)):
+        if _finite_f16(sc):
             w.qt, w.sc, w.kind = qt, sc, kind
             w.nbytes = int(qt.nbytes + sc.nbytes)
+    elif gt in _KTILE_FMT and q8_act:
+        R = KTILE_ROWS
+        blk = raw.reshape(rows, -1, bb)
+        offs = (208,) if gt == Q6_K else (0, 2)
+        if all(_finite_f16(_f16_bits(blk[:, :, o:o + 2])) for o in offs):
+            pad = -rows % R
+            if pad:
+                blk = np.concatenate([blk, np.zeros((pad,) + blk.shape[1:], np.uint8)])
+            w.qt = repack_ktile(_KTILE_FMT[gt], blk)
+            w.kind = _KIND_KTILE
+            w.nbytes = int(w.qt.nbytes)
     return w
+
+
+def _finite_f16(h):
+    return bool(np.all(h & np.uint16(0x7C00) != np.uint16(0x7C00)))
 
 
 _N_CHUNKS = 64
@@ -802,6 +916,11 @@ class Act:
         self.xd = np.zeros((max_tokens, nb), np.float32)
         self.xs = np.zeros((max_tokens, nb), np.int32)
         self.xf = np.zeros((max_tokens, nb), np.float32)           # float sum of each x block
+        nsb = cols // 256 if cols % 256 == 0 else 0                   # q8_K blocks (the K-quant tiles)
+        self.xqk = np.zeros((max_tokens, nsb * 256), np.int8)
+        self.xdk = np.zeros((max_tokens, nsb), np.float32)
+        self.xbk = np.zeros((max_tokens, nsb * 16), np.int32)         # int sums of 16 codes
+        self._q8k_ok = False
         self._tail = np.zeros((max_tokens, _TILE_MAX), np.float32)  # partial last row tile
         self._scratch = np.zeros((_N_CHUNKS, cols), np.float32)   # exact mode row buffers
 
@@ -817,14 +936,14 @@ class Act:
             raise ValueError(f"Act.set: x must be float32, got {x.dtype}")
         _act_set_f(x, T, self.x, self.xf)
         self.T = T
-        self._q8_ok = False
+        self._q8_ok = self._q8k_ok = False
 
     def mark(self, T: int) -> None:
         """x[:T] and xf[:T] were written directly (the fused producers in kernels.ops)."""
         if T < 1 or T > self.max_tokens:
             raise ValueError(f"Act.mark: T={T} outside 1..{self.max_tokens}")
         self.T = int(T)
-        self._q8_ok = False
+        self._q8_ok = self._q8k_ok = False
 
     def _need_q8(self) -> None:
         """The q8 blocks (only the generic integer-dot kernels read them): computed on first use."""
@@ -855,9 +974,12 @@ def matmul(w: Weight, act: Act, out: np.ndarray) -> None:
         _mm_bf16(w.fw, T, act.x, out)
     elif _EXACT:
         _mm_exact(gt, w.raw, T, act.x, act._scratch, out)
-    elif w.kind in _VNNI_KINDS:
-        _mm_vnni(w.kind == _KIND_VNNI_Q4, w.qt, w.sc, w.rows, T, act.x, act.xq, act.xd, act.xs, act.xf,
-                 act._tail, out)
+    elif w.kind == _KIND_KTILE:
+        _call_kind(_mm_ktile, gt, not act._q8k_ok, w.qt, w.rows, T, act.x, act.xqk, act.xdk, act.xbk, act._tail, out)
+        act._q8k_ok = True
+    elif w.kind in _INT_KINDS:
+        _call_kind(_mm_itile, w.kind, not act._q8_ok, w.qt, w.sc, w.rows, T, act.x, act.xq, act.xd,
+                  act.xs, act.xf, act._tail, out)
         act._q8_ok = True
     elif T >= _BLAS_MIN_T and w.kind != _KIND_RAW:
         _matmul_blas(w, T, act.x, out)
@@ -969,8 +1091,8 @@ def matmul_fused(ws, act: Act, outs) -> None:
     are all full-tile Q4 tile weights and act.T is small (decode); otherwise one call each."""
     T = act.T
     kind = ws[0].kind
-    if (not _EXACT and (T < _BLAS_MIN_T or kind == _KIND_VNNI_Q4) and 2 <= len(ws) <= 3
-            and kind in (_KIND_TILE_Q4, _KIND_VNNI_Q4)
+    if (not _EXACT and (T < _BLAS_MIN_T or kind in (_KIND_ITILE_Q4, _KIND_ITILE_Q5)) and 2 <= len(ws) <= 3
+            and kind in (_KIND_TILE_Q4, _KIND_ITILE_Q4, _KIND_ITILE_Q5)
             and all(w.kind == kind and w.cols == act.cols and w.rows % w.qt.shape[3] == 0 for w in ws)):
         for w, o in zip(ws, outs):
             _check_out(w, T, o)
@@ -978,9 +1100,9 @@ def matmul_fused(ws, act: Act, outs) -> None:
         oa, ob = outs[0], outs[1]
         c, oc = (ws[2], outs[2]) if len(ws) == 3 else (ws[1], outs[1])
         n = c.qt.shape[0] if len(ws) == 3 else 0       # two weights: an empty third
-        if kind == _KIND_VNNI_Q4:
-            _mm_vnni_3(a.qt, a.sc, oa, b.qt, b.sc, ob, c.qt[:n], c.sc[:n], oc, T, act.x, act.xq, act.xd,
-                       act.xs, act.xf)
+        if kind != _KIND_TILE_Q4:
+            _call_kind(_mm_itile_3, kind, not act._q8_ok, a.qt, a.sc, oa, b.qt, b.sc, ob, c.qt[:n], c.sc[:n], oc, T, act.x,
+                        act.xq, act.xd, act.xs, act.xf)
             act._q8_ok = True
         else:
             _mm_tile_q4_3(a.qt, a.sc, oa, b.qt, b.sc, ob, c.qt[:n], c.sc[:n], oc, T, act.x, act.xf)

@@ -1,0 +1,56 @@
+"""Say when Numba compiles (a cold cache: the first run on a machine, or after an upgrade), and how long.
+
+numba's "numba:compile" event fires only on a real compile, never on a cache load, so the note is
+printed only when there is something to wait for.  install() once per process (the CLI does);
+compile_seconds() is the wall time spent in top-level compiles so far, which generate() subtracts from
+its tokens/s figures.
+"""
+import threading
+import time
+
+from numba.core import event as _ev
+
+_lock = threading.Lock()
+_state = {"depth": 0, "t0": 0.0, "total": 0.0, "said": False, "installed": False, "stream": None}
+
+
+class _Note(_ev.Listener):
+    def on_start(self, event):
+        with _lock:
+            if _state["depth"] == 0:
+                _state["t0"] = time.perf_counter()
+                if not _state["said"] and _state["stream"] is not None:
+                    _state["said"] = True
+                    from .tiles import ISA
+                    print(f"pykv: compiling kernels for this CPU ({ISA}); once, cached for later runs "
+                          "(up to a few minutes)...", file=_state["stream"], flush=True)
+            _state["depth"] += 1
+
+    def on_end(self, event):
+        with _lock:
+            _state["depth"] -= 1
+            if _state["depth"] == 0:
+                _state["total"] += time.perf_counter() - _state["t0"]
+
+
+def install(stream=None) -> None:
+    """Track compile time; with a stream (sys.stderr), also print one line at the first compile."""
+    with _lock:
+        if stream is not None:
+            _state["stream"] = stream
+        if not _state["installed"]:
+            _ev.register("numba:compile", _Note())
+            _state["installed"] = True
+
+
+def compile_seconds() -> float:
+    """Seconds spent compiling since install() (0.0 when not installed)."""
+    with _lock:
+        extra = time.perf_counter() - _state["t0"] if _state["depth"] else 0.0
+        return _state["total"] + extra
+
+
+__all__ = ["install", "compile_seconds"]
+
+
+install()       # track compile time from the first import; the CLI adds the stderr note

@@ -1,0 +1,451 @@
+"""Integer-dot weight tiles: one source for every ISA class.
+
+A tile holds R rows of one weight, repacked at load so that each 32-bit lane of a vector holds 4
+consecutive weight columns of one row (lanes = rows).  An activation group of 4 int8 columns (llama.cpp's
+q8 activations) is broadcast to every lane, and one "dot" adds the 4 products to each row's int32 lane.
+The ISA class changes only L (lanes: 16 on zmm, 8 otherwise) and how `_bdot` lowers that dot:
+
+    avx512vnni  vpdpbusd zmm
+    avxvnni     vpdpbusd ymm ({vex})
+    avx2        vpmaddubsw (u8 x s8 -> i16 pair sums, added in i16 while they cannot saturate) and one
+                vpmaddwd by ones, or by the row's sub-block scale (the K-quants' scale multiply is free)
+    generic     zext / sext, mul, shuffles: plain LLVM vector IR that any target lowers (SSE, NEON ...)
+
+The class is what Numba compiles for (its target CPU name and features), so NUMBA_CPU_NAME /
+NUMBA_CPU_FEATURES overrides select it too (Numba's cache keys on both, so cached code matches).
+
+Two tile families (layouts below, `repack_*` build them from ggml rows):
+  * dot_tile_q4 / q5 / q8: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 against q8_0 activation blocks of 32 (TILE_ROWS rows).
+  * dot_ktile (Q4_K, Q5_K, Q6_K): against q8_K activation blocks of 256 with int sums per 16
+    (llama.cpp's q8_K), KTILE_ROWS = L rows: each row's dot equals llama.cpp's vec_dot_qX_K_q8_K.
+"""
+import subprocess
+import sys
+
+import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from .simd import F32, I8, I16, I32, I64, _data, _fpext_half, _splat, _vec
+
+ISA_CLASSES = ("generic", "avx2", "avxvnni", "avx512vnni")
+
+# ----------------------------------------------------------------------------------------------------
+# which ISA class Numba compiles for
+# ----------------------------------------------------------------------------------------------------
+
+_PROBE = """
+import sys, llvmlite.binding as llvm, llvmlite.ir as ir
+llvm.initialize_native_target(); llvm.initialize_native_asmprinter()
+cpu, feats, name, n, nargs = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
+m = ir.Module(); m.triple = llvm.get_process_triple()
+v = ir.VectorType(ir.IntType(32), n)
+a = v if nargs == 3 else ir.VectorType(ir.IntType(16), 2 * n)
+f = ir.Function(m, ir.FunctionType(v, [a] * nargs), "f")
+b = ir.IRBuilder(f.append_basic_block())
+b.ret(b.call(m.declare_intrinsic(name, fnty=ir.FunctionType(v, [a] * nargs)), f.args))
+tm = llvm.Target.from_default_triple().create_target_machine(cpu=cpu, features=feats)
+print(tm.emit_assembly(llvm.parse_assembly(str(m))))
+"""
+
+# class -> (the intrinsic its dot needs, int32 lanes, operands, the mnemonic the assembly must show)
+_PROBES = (("avx512vnni", "llvm.x86.avx512.vpdpbusd.512", 16, 3, "vpdpbusd"),
+           ("avxvnni", "llvm.x86.avx512.vpdpbusd.256", 8, 3, "vpdpbusd"),
+           ("avx2", "llvm.x86.avx2.pmadd.wd", 8, 2, "vpmaddwd"))
+
+
+def _probe(cpu: str, feats: str) -> str:
+    """The best class LLVM compiles for (cpu, feats): each candidate's intrinsic in a subprocess (a
+    target that lacks it aborts LLVM: 'Cannot select')."""
+    for cls, name, n, nargs, mnem in _PROBES:
+        try:
+            r = subprocess.run([sys.executable, "-c", _PROBE, cpu, feats, name, str(n), str(nargs)],
+                               capture_output=True, text=True, timeout=120)
+        except (OSError, subprocess.SubprocessError):
+            continue
+        if r.returncode == 0 and mnem in r.stdout:
+            return cls
+    return "generic"
+
+
+def _classify(has) -> str:
+    if has("avx512vnni") and has("avx512bw") and has("avx512f"):
+        return "avx512vnni"
+    if has("avxvnni") and has("avx2"):
+        return "avxvnni"
+    if has("avx2"):
+        return "avx2"
+    return "generic"
+
+
+def target_isa() -> str:
+    """The ISA class of the code Numba generates in this process (see the module doc)."""
+    import llvmlite.binding as llvm
+    from numba.core import config
+    name, feats = config.CPU_NAME, config.CPU_FEATURES
+    try:
+        if name in (None, "host") and feats is None:
+            f = llvm.get_host_cpu_features()
+            return _classify(lambda k: bool(f.get(k)))
+        if name in (None, "host"):
+            name = llvm.get_host_cpu_name()
+        if feats is None:
+            feats = llvm.get_host_cpu_features().flatten()
+    except Exception:              # pragma: no cover - exotic llvmlite builds
+        return "generic"
+    return _probe(name, feats)
+
+
+ISA = target_isa()
+L = 16 if ISA == "avx512vnni" else 8        # int32 lanes (rows) per vector
+G = 4                                       # row groups per Q4/Q8 tile
+TILE_ROWS = G * L                           # rows per Q4_0 / Q4_1 / Q8_0 tile
+KTILE_ROWS = L                              # rows per K-quant tile
+
+
+# ----------------------------------------------------------------------------------------------------
+# the one ISA-specific piece: sum of 4-byte dots into int32 lanes
+# ----------------------------------------------------------------------------------------------------
+
+def _c(v):
+    return ir.Constant(I64, v)
+
+
+def _call(builder, name, ret, args):
+    fn = builder.module.declare_intrinsic(name, fnty=ir.FunctionType(ret, [a.type for a in args]))
+    return builder.call(fn, args)
+
+
+def _bytes(builder, v):
+    return builder.bitcast(v, _vec(I8, 4 * L))
+
+
+def _bdot(builder, pairs, umax, scale=None, signed=False):
+    """<L x i32>: for each lane, sum over (w, x) in pairs of the 4-byte dot of w's and x's bytes
+    (<4L x i8> each), times scale (<L x i32>, |scale| < 2**15) when given.
+    x: int8 in -127..127.  w: unsigned bytes 0..umax, or signed int8 (signed=True)."""
+    n4 = 4 * L
+    vi = _vec(I32, L)
+    zero = ir.Constant(vi, [0] * L)
+    if ISA in ("avx512vnni", "avxvnni"):
+        name = "llvm.x86.avx512.vpdpbusd.512" if L == 16 else "llvm.x86.avx512.vpdpbusd.256"
+        acc = zero
+        corr = zero
+        for w, x in pairs:
+            xi = builder.bitcast(x, vi)
+            if signed:     # (w + 128) . x - 128 * sum(x): the second term is the same for every row tile
+                w = builder.xor(w, ir.Constant(_vec(I8, n4), [-128] * n4))
+                corr = _call(builder, name, vi, [corr, ir.Constant(vi, [0x80808080 - (1 << 32)] * L), xi])
+            acc = _call(builder, name, vi, [acc, builder.bitcast(w, vi), xi])
+        if signed:
+            acc = builder.sub(acc, corr)
+        return acc if scale is None else builder.mul(acc, scale)
+    if ISA == "avx2":
+        v16 = _vec(I16, 2 * L)
+        if scale is None:
+            s16 = ir.Constant(v16, [1] * (2 * L))
+        else:               # the scale in both i16 halves of each lane
+            s16 = builder.bitcast(builder.or_(builder.and_(scale, ir.Constant(vi, [0xFFFF] * L)),
+                                              builder.shl(scale, ir.Constant(vi, [16] * L))), v16)
+        per = 1 if signed else max(1, 32767 // (2 * umax * 127))      # pmaddubsw sums that fit in i16
+        acc = None
+        for i in range(0, len(pairs), per):
+            h = None
+            for w, x in pairs[i:i + per]:
+                if signed:     # |w| . sign(x, w): |w| <= 128, so a pair sum stays under 2**15
+                    x = _call(builder, "llvm.x86.avx2.psign.b", x.type, [x, w])
+                    w = _call(builder, "llvm.abs.v32i8", w.type, [w, ir.Constant(ir.IntType(1), 0)])
+                p = _call(builder, "llvm.x86.avx2.pmadd.ub.sw", v16, [w, x])
+                h = p if h is None else builder.add(h, p)
+            p = _call(builder, "llvm.x86.avx2.pmadd.wd", vi, [h, s16])
+            acc = p if acc is None else builder.add(acc, p)
+        return acc
+    # generic vector IR
+    v4 = _vec(I32, n4)
+    acc = zero
+    for w, x in pairs:
+        p = builder.mul(builder.sext(w, v4) if signed else builder.zext(w, v4), builder.sext(x, v4))
+        for j in range(4):
+            acc = builder.add(acc, builder.shuffle_vector(p, p, ir.Constant(vi, list(range(j, n4, 4)))))
+    return acc if scale is None else builder.mul(acc, scale)
+
+
+# ----------------------------------------------------------------------------------------------------
+# tile kernels (intrinsics).  No bounds checks: callers pass whole tiles.
+# ----------------------------------------------------------------------------------------------------
+
+def _ld(builder, base, off, ty, align=1):
+    """Load a value of type ty at element offset off (i64 value) of pointer base."""
+    return builder.load(builder.bitcast(builder.gep(base, [off], inbounds=True), ty.as_pointer()), align=align)
+
+
+def _bcast4(builder, xqp, off):
+    """The 4 int8 activations at xq[off:off+4] in every lane: <4L x i8>."""
+    return _bytes(builder, _splat(builder, _ld(builder, xqp, off, I32), L))
+
+
+def _halves(builder, base, off):
+    """L consecutive f16 at element offset off of the i16/u16 pointer base -> <L x float>."""
+    return _fpext_half(builder, _ld(builder, base, off, _vec(I16, L), 2))
+
+
+def _store_out(builder, outp, sums):
+    for k, s in enumerate(sums):
+        p = builder.gep(outp, [_c(L * k)], inbounds=True)
+        builder.store(builder.load(s), builder.bitcast(p, _vec(F32, L).as_pointer()), align=4)
+
+
+def _arr(t, dt):
+    return isinstance(t, types.Array) and t.dtype == dt
+
+
+def _tile_dot(fmt):
+    """Intrinsic (qt, sc, xq, xd, xs, nb, out): out[0:TILE_ROWS] = the tile's rows . x.
+
+    Tile layout (TILE_ROWS = G*L rows, nb blocks of 32 columns), 4 columns of one row per 32-bit lane:
+      Q4 (Q4_0 / Q4_1): qt uint8 [nb][4 groups jj][R rows][4 bytes]: byte c of group jj holds columns
+          4jj+c (low nibble) and 16+4jj+c (high nibble) of the row's block, as ggml's qs[4jj+c];
+          sc uint16 [nb][2][R] = f16 d and m per row (Q4_0 stored as m = -8 d).
+          row . x = sum_b d*xd_b * sum_j q_j xq_j  +  m * xd_b * xs_b   (xs_b: int sum of xq's block)
+      Q5 (Q5_0 / Q5_1): as Q4 with a fifth group [R][4]: byte c of a row's word holds bit 4 of column
+          4jj+c in bit jj and of column 16+4jj+c in bit 4+jj (Q5_0: m = -16 d).
+      Q8 (Q8_0): qt uint8 [nb][8 groups][R rows][4 bytes] = ggml's int8 qs;  sc uint16 [nb][1][R] = f16 d.
+          row . x = sum_b d*xd_b * sum_j q_j xq_j
+    x is llama.cpp's q8_0 activation: xq int8 [nb*32], xd f32 [nb], xs int32 [nb].  These are llama.cpp's
+    q4_0/q4_1/q5_0/q5_1/q8_0 x q8 dot products: the per-block int32 sums are exact, then scaled in float."""
+    q4 = fmt != "q8"
+    groups = 4 if q4 else 8
+    stride = (groups + (fmt == "q5")) * 4      # bytes per row per block
+
+    def typer(typingctx, qt, sc, xq, xd, xa, nb, out):
+        if not (_arr(qt, types.uint8) and _arr(sc, types.uint16) and _arr(xq, types.int8)
+                and _arr(xd, types.float32) and _arr(xa, types.int32) and isinstance(nb, types.Integer)
+                and _arr(out, types.float32)):
+            return None
+
+        def codegen(context, builder, sig, args):
+            qtp, scp, xqp, xdp, xap = (_data(context, builder, sig.args[i], args[i]) for i in range(5))
+            nbv = context.cast(builder, args[5], sig.args[5], types.int64)
+            outp = _data(context, builder, sig.args[6], args[6])
+            R = TILE_ROWS
+            n4 = 4 * L
+            vi = _vec(I32, L)
+            m15 = ir.Constant(_vec(I8, n4), [15] * n4)
+            sh4 = ir.Constant(_vec(I8, n4), [4] * n4)
+            sums = [cgutils.alloca_once_value(builder, ir.Constant(_vec(F32, L), [0.0] * L)) for _ in range(G)]
+            with cgutils.for_range(builder, nbv) as loop:
+                b = loop.index
+                xb = builder.mul(b, _c(32))
+                qb = builder.mul(b, _c(stride * R))
+                if q4:
+                    xs = [(_bcast4(builder, xqp, builder.add(xb, _c(4 * jj))),
+                           _bcast4(builder, xqp, builder.add(xb, _c(16 + 4 * jj)))) for jj in range(groups)]
+                else:
+                    xs = [_bcast4(builder, xqp, builder.add(xb, _c(4 * jj))) for jj in range(groups)]
+                xdv = _ld(builder, xdp, b, F32, 4)
+                xdb = _splat(builder, xdv, L)
+                if q4:
+                    xfb = _splat(builder, builder.fmul(xdv, builder.sitofp(_ld(builder, xap, b, I32, 4), F32)), L)
+                sb = builder.mul(b, _c((2 if q4 else 1) * R))
+                for k in range(G):
+                    pairs = []
+                    if fmt == "q5":
+                        hw = _ld(builder, qtp, builder.add(qb, _c(4 * R * groups + n4 * k)), vi)
+
+                        def hbit(s):       # bit s of each byte of hw, moved to bit 4
+                            v = builder.and_(builder.lshr(hw, ir.Constant(vi, [s] * L)), ir.Constant(vi, [0x01010101] * L))
+                            return _bytes(builder, builder.shl(v, ir.Constant(vi, [4] * L)))
+                    for jj in range(groups):
+                        w = _ld(builder, qtp, builder.add(qb, _c(4 * R * jj + n4 * k)), _vec(I8, n4))
+                        if q4:
+                            lo = builder.and_(w, m15)
+                            hi = builder.and_(builder.lshr(w, sh4), m15)
+                            if fmt == "q5":
+                                lo = builder.or_(lo, hbit(jj))
+                                hi = builder.or_(hi, hbit(4 + jj))
+                            pairs += [(lo, xs[jj][0]), (hi, xs[jj][1])]
+                        else:
+                            pairs.append((w, xs[jj]))
+                    a = _bdot(builder, pairs, 31 if fmt == "q5" else 15, signed=not q4)
+                    d = _halves(builder, scp, builder.add(sb, _c(L * k)))
+                    s = builder.fadd(builder.load(sums[k]),
+                                     builder.fmul(builder.fmul(d, xdb), builder.sitofp(a, _vec(F32, L))))
+                    if q4:
+                        s = builder.fadd(s, builder.fmul(_halves(builder, scp, builder.add(sb, _c(R + L * k))), xfb))
+                    builder.store(s, sums[k])
+            _store_out(builder, outp, sums)
+            return context.get_dummy_value()
+        return types.void(qt, sc, xq, xd, xa, nb, out), codegen
+    typer.__name__ = "dot_tile_" + fmt
+    return intrinsic(typer)
+
+
+dot_tile_q4 = _tile_dot("q4")
+dot_tile_q5 = _tile_dot("q5")
+dot_tile_q8 = _tile_dot("q8")
+
+
+# ---- K-quant tiles.  Per super-block of 256 columns, a tile of R = KTILE_ROWS rows is KBYTES[type] * R
+# contiguous bytes (offsets in units of R):
+#   Q4_K: qs [4 chunks c][8 groups jj][R][4] (byte = ggml qs[32c + 4jj + i]: low nibble sub-block 2c,
+#         high nibble 2c+1) @0 | sc u8 [8][R] @128 | m u8 [8][R] @136 | d f16 [R] @144 | dmin f16 [R] @146
+#   Q5_K: qs @0 | qh [8 jj][R][4] (ggml qh[4jj + i]: bit s = bit 4 of sub-block s) @128 | sc @160 |
+#         m @168 | d @176 | dmin @178
+#   Q6_K: ql [4 c][8 jj][R][4] (low 4 bits: sub-block 2c low nibble, 2c+1 high) @0 |
+#         qh [2 g][8 jj][R][4] (bits 2i..2i+1: high 2 bits of sub-block 4g+i) @128 |
+#         sc i8 [16][R] @192 | d f16 [R] @208
+# q value of column 32t + 4jj + i (sub-block t).  Per super-block and row, with llama.cpp's q8_K x
+# (xq int8 [256], xd f32, xb int32 [16] sums of 16):
+#   Q4_K/Q5_K: xd * (d * sum_t sc_t (q_t . x_t) - dmin * sum_t m_t (xb_2t + xb_2t+1))
+#   Q6_K:      xd * d * (sum_h sc_h (q_h . x_h) - 32 sum_h sc_h xb_h)        (h: sub-blocks of 16)
+
+KBYTES = {"q4k": 148, "q5k": 180, "q6k": 210}
+
+
+def _ktile_dot(fmt):
+    """Intrinsic (qt, xq, xd, xb, nsb, out): out[0:L] = the K tile's rows . x (qt: one tile's bytes)."""
+    SB = KBYTES[fmt]
+
+    def typer(typingctx, qt, xq, xd, xb, nsb, out):
+        if not (_arr(qt, types.uint8) and _arr(xq, types.int8) and _arr(xd, types.float32)
+                and _arr(xb, types.int32) and isinstance(nsb, types.Integer) and _arr(out, types.float32)):
+            return None
+
+        def codegen(context, builder, sig, args):
+            qtp, xqp, xdp, xbp = (_data(context, builder, sig.args[i], args[i]) for i in range(4))
+            nv = context.cast(builder, args[4], sig.args[4], types.int64)
+            outp = _data(context, builder, sig.args[5], args[5])
+            R = L
+            n4 = 4 * L
+            vi, vb = _vec(I32, L), _vec(I8, n4)
+
+            def cb(v):
+                return ir.Constant(vb, [v] * n4)
+
+            def row_bytes(base, off):          # <L x i8> at base + off -> <L x i32> (zext / sext)
+                return _ld(builder, qtp, builder.add(base, _c(off)), _vec(I8, L))
+
+            def xsum(b, h):                    # splat of xb[16b + h]
+                return _splat(builder, _ld(builder, xbp, builder.add(builder.mul(b, _c(16)), _c(h)), I32, 4), L)
+
+            sums = [cgutils.alloca_once_value(builder, ir.Constant(_vec(F32, L), [0.0] * L))]
+            with cgutils.for_range(builder, nv) as loop:
+                b = loop.index
+                base = builder.mul(b, _c(SB * R))
+                xb0 = builder.mul(b, _c(256))
+                isum = ir.Constant(vi, [0] * L)
+                msum = ir.Constant(vi, [0] * L)
+                for t in range(8):
+                    xs = [_bcast4(builder, xqp, builder.add(xb0, _c(32 * t + 4 * jj))) for jj in range(8)]
+                    us = []
+                    for jj in range(8):
+                        w = _ld(builder, qtp, builder.add(base, _c((32 * (t >> 1) + 4 * jj) * R)), vb)
+                        if t & 1:
+                            w = builder.lshr(w, cb(4))
+                        u = builder.and_(w, cb(15))
+                        if fmt == "q5k":
+                            h = _ld(builder, qtp, builder.add(base, _c((128 + 4 * jj) * R)), vb)
+                            u = builder.or_(u, builder.shl(builder.and_(builder.lshr(h, cb(t)), cb(1)), cb(4)))
+                        elif fmt == "q6k":
+                            h = _ld(builder, qtp, builder.add(base, _c((128 + 32 * (t >> 2) + 4 * jj) * R)), vb)
+                            u = builder.or_(u, builder.shl(builder.and_(builder.lshr(h, cb(2 * (t & 3))), cb(3)),
+                                                           cb(4)))
+                        us.append(u)
+                    if fmt == "q6k":
+                        for half in range(2):
+                            sc = builder.sext(row_bytes(base, (192 + 2 * t + half) * R), vi)
+                            pairs = list(zip(us[4 * half:4 * half + 4], xs[4 * half:4 * half + 4]))
+                            isum = builder.add(isum, _bdot(builder, pairs, 63, sc))
+                            msum = builder.add(msum, builder.mul(sc, xsum(b, 2 * t + half)))
+                    else:
+                        sc = builder.zext(row_bytes(base, (SB - 20 + t) * R), vi)
+                        mn = builder.zext(row_bytes(base, (SB - 12 + t) * R), vi)
+                        isum = builder.add(isum, _bdot(builder, list(zip(us, xs)), 31 if fmt == "q5k" else 15, sc))
+                        msum = builder.add(msum, builder.mul(mn, builder.add(xsum(b, 2 * t), xsum(b, 2 * t + 1))))
+                hp = builder.bitcast(qtp, I16.as_pointer())
+                hb = builder.mul(b, _c(SB * R // 2))
+                xdb = _splat(builder, _ld(builder, xdp, b, F32, 4), L)
+                d = _halves(builder, hp, builder.add(hb, _c((SB - 4 if fmt != "q6k" else SB - 2) * R // 2)))
+                if fmt == "q6k":
+                    v = builder.fmul(d, builder.sitofp(builder.sub(isum, builder.shl(msum, ir.Constant(vi, [5] * L))),
+                                                       _vec(F32, L)))
+                else:
+                    dmin = _halves(builder, hp, builder.add(hb, _c((SB - 2) * R // 2)))
+                    v = builder.fsub(builder.fmul(d, builder.sitofp(isum, _vec(F32, L))),
+                                     builder.fmul(dmin, builder.sitofp(msum, _vec(F32, L))))
+                builder.store(builder.fadd(builder.load(sums[0]), builder.fmul(xdb, v)), sums[0])
+            _store_out(builder, outp, sums)
+            return context.get_dummy_value()
+        return types.void(qt, xq, xd, xb, nsb, out), codegen
+    typer.__name__ = "dot_ktile_" + fmt
+    return intrinsic(typer)
+
+
+dot_ktile_q4k = _ktile_dot("q4k")
+dot_ktile_q5k = _ktile_dot("q5k")
+dot_ktile_q6k = _ktile_dot("q6k")
+
+
+# ----------------------------------------------------------------------------------------------------
+# load-time repacking (numpy)
+# ----------------------------------------------------------------------------------------------------
+
+def _f16_bits(b2):
+    """(..., 2) uint8 little-endian halves -> uint16 (...)."""
+    return np.ascontiguousarray(b2).view(np.uint16)[..., 0]
+
+
+def _lanes4(q, R):
+    """(nt*R, nsb, n) bytes -> (nt, nsb, n // 4, R, 4): 4 consecutive bytes of a row per lane."""
+    rows, nsb, n = q.shape
+    return q.reshape(rows // R, R, nsb, n // 4, 4).transpose(0, 2, 3, 1, 4)
+
+
+def _rowmajor(v, R):
+    """(nt*R, nsb, n) -> (nt, nsb, n, R) (one value per row, rows contiguous)."""
+    rows, nsb, n = v.shape
+    return v.reshape(rows // R, R, nsb, n).transpose(0, 2, 3, 1)
+
+
+def repack_ktile(fmt, blk):
+    """ggml K-quant super-blocks blk uint8 (rows, nsb, bytes), rows a multiple of KTILE_ROWS ->
+    uint8 (nt, nsb * KBYTES[fmt] * R) tiles (layout above)."""
+    R = KTILE_ROWS
+    rows, nsb, _ = blk.shape
+    nt = rows // R
+    parts = []
+    if fmt in ("q4k", "q5k"):
+        qo = 16 if fmt == "q4k" else 48
+        sc6 = blk[:, :, 4:16].astype(np.int32)
+        sc = np.empty((rows, nsb, 8), np.uint8)
+        mn = np.empty((rows, nsb, 8), np.uint8)
+        sc[..., :4] = sc6[..., 0:4] & 63
+        mn[..., :4] = sc6[..., 4:8] & 63
+        sc[..., 4:] = (sc6[..., 8:12] & 15) | ((sc6[..., 0:4] >> 6) << 4)
+        mn[..., 4:] = (sc6[..., 8:12] >> 4) | ((sc6[..., 4:8] >> 6) << 4)
+        parts.append(_lanes4(blk[:, :, qo:qo + 128], R))
+        if fmt == "q5k":
+            parts.append(_lanes4(blk[:, :, 16:48], R))
+        parts += [_rowmajor(sc, R), _rowmajor(mn, R), _rowmajor(_f16_bits(blk[:, :, 0:4].reshape(rows, nsb, 2, 2)), R)]
+    else:
+        ql = blk[:, :, 0:128].astype(np.int32)
+        qh = blk[:, :, 128:192].astype(np.int32)
+        q = np.empty((rows, nsb, 256), np.int32)           # 0..63, element order
+        for h in range(2):
+            for k in range(4):
+                lo = (ql[:, :, 64 * h + 32 * (k & 1):64 * h + 32 * (k & 1) + 32] >> (4 * (k >> 1))) & 15
+                hi = (qh[:, :, 32 * h:32 * h + 32] >> (2 * k)) & 3
+                q[:, :, 128 * h + 32 * k:128 * h + 32 * k + 32] = lo | (hi << 4)
+        t = q.reshape(rows, nsb, 8, 32)
+        lo4 = ((t[:, :, 0::2] & 15) | ((t[:, :, 1::2] & 15) << 4)).astype(np.uint8).reshape(rows, nsb, 128)
+        hi2 = t.reshape(rows, nsb, 2, 4, 32) >> 4
+        hi2 = (hi2[:, :, :, 0] | (hi2[:, :, :, 1] << 2) | (hi2[:, :, :, 2] << 4) | (hi2[:, :, :, 3] << 6))
+        parts += [_lanes4(lo4, R), _lanes4(hi2.astype(np.uint8).reshape(rows, nsb, 64), R),
+                  _rowmajor(blk[:, :, 192:208], R),
+                  _rowmajor(_f16_bits(blk[:, :, 208:210].reshape(rows, nsb, 1, 2)), R)]
+    flat = [np.ascontiguousarray(p).view(np.uint8).reshape(nt, nsb, -1) for p in parts]
+    out = np.concatenate(flat, axis=2)
+    assert out.shape[2] == KBYTES[fmt] * R
+    return np.ascontiguousarray(out.reshape(nt, -1))

@@ -1,0 +1,123 @@
+"""Every ISA class of the integer-dot tiles (kernels.tiles) equals the q8 emulation.
+
+The class this host compiles for is covered through the matmul API (test_matmul).  Each other class is
+compiled in a subprocess under NUMBA_CPU_NAME (NUMBA_CPU_FEATURES empty: the named CPU's own features),
+and its kernels also run there when this host has that class's instructions; otherwise the test
+checks that the class was selected and that every tile kernel compiles for it.
+"""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pykv.kernels import tiles
+
+ROOT = Path(__file__).resolve().parent.parent
+
+_SCRIPT = r'''
+import sys
+import llvmlite.binding as llvm
+import numba
+import numpy as np
+from numba import njit
+sys.path.insert(0, sys.argv[3])
+from test_matmul import GT, M, make_weight, q8_emulate
+from pykv.kernels import tiles as K
+
+expected, run = sys.argv[1], sys.argv[2] == "1"
+assert K.ISA == expected, (K.ISA, expected)
+
+
+@njit(nogil=True)
+def t32(kind, qt, sc, xq, xd, xs, out):
+    R = qt.shape[3]
+    for tile in range(qt.shape[0]):
+        o = out[tile * R:(tile + 1) * R]
+        if kind == 0:
+            K.dot_tile_q4(qt[tile], sc[tile], xq, xd, xs, xd.shape[0], o)
+        elif kind == 1:
+            K.dot_tile_q5(qt[tile], sc[tile], xq, xd, xs, xd.shape[0], o)
+        else:
+            K.dot_tile_q8(qt[tile], sc[tile], xq, xd, xs, xd.shape[0], o)
+
+
+@njit(nogil=True)
+def tk(kind, qt, xq, xd, xb, out):
+    R = K.KTILE_ROWS
+    for tile in range(qt.shape[0]):
+        o = out[tile * R:(tile + 1) * R]
+        if kind == 0:
+            K.dot_ktile_q4k(qt[tile], xq, xd, xb, xd.shape[0], o)
+        elif kind == 1:
+            K.dot_ktile_q5k(qt[tile], xq, xd, xb, xd.shape[0], o)
+        else:
+            K.dot_ktile_q6k(qt[tile], xq, xd, xb, xd.shape[0], o)
+
+
+rng = np.random.default_rng(3)
+rows = 40
+cases = [(GT.Q4_1, 0, 256), (GT.Q4_0, 0, 256), (GT.Q5_0, 1, 256), (GT.Q5_1, 1, 256), (GT.Q8_0, 2, 256),
+         (GT.Q4_K, 0, 512), (GT.Q5_K, 1, 512), (GT.Q6_K, 2, 512)]
+compiled = set()
+for gt, kind, cols in cases:
+    data, ref_w = make_weight(gt, rows, cols, rng)
+    w = M.prepare_weight(int(gt), data, rows, cols)
+    assert w.int_dot and w.qt is not None, w
+    x = rng.standard_normal((1, cols)).astype(np.float32)
+    out = np.zeros(rows + 64, np.float32)
+    k = cols == 512
+    xq = np.zeros(cols, np.int8)
+    xd = np.zeros((1, cols // (256 if k else 32)), np.float32)
+    xs = np.zeros((1, cols // (16 if k else 32)), np.int32)
+    args = (kind, w.qt, xq, xd[0], xs[0], out) if k else (kind, w.qt, w.sc, xq, xd[0], xs[0], out)
+    fn = tk if k else t32
+    if not run:
+        sig = tuple(numba.typeof(a) for a in args)
+        if (fn, sig) not in compiled:
+            fn.compile(sig)
+            compiled.add((fn, sig))
+        continue
+    if k:
+        M.quantize_act_q8k(x, 1, xq.reshape(1, -1), xd, xs)
+    else:
+        M.quantize_act_q8(x, 1, xq.reshape(1, -1), xd, xs, np.zeros_like(xd))
+    fn(*args)
+    ref = q8_emulate(x, w.act_block)[0] @ ref_w.T
+    err = np.abs(out[:rows] - ref).max()
+    assert err <= 1e-5 * np.abs(ref).max(), (gt.name, err)
+print("ok", K.ISA, "ran" if run else "compiled")
+'''
+
+# NUMBA_CPU_NAME -> the class it selects
+CLASSES = {"ivybridge": "generic", "haswell": "avx2", "alderlake": "avxvnni", "sapphirerapids": "avx512vnni"}
+_NEEDS = {"generic": (), "avx2": ("avx2",), "avxvnni": ("avx2", "avxvnni"),
+          "avx512vnni": ("avx512f", "avx512bw", "avx512vnni")}
+
+
+def _host_runs(cls):
+    import llvmlite.binding as llvm
+    f = llvm.get_host_cpu_features()
+    return all(f.get(k) for k in _NEEDS[cls])
+
+
+@pytest.mark.parametrize("cpu", sorted(CLASSES, key=lambda c: tiles.ISA_CLASSES.index(CLASSES[c])))
+def test_isa_class_tiles(cpu):
+    cls = CLASSES[cpu]
+    if cls == tiles.ISA and os.environ.get("NUMBA_CPU_NAME") is None:
+        pytest.skip(f"{cls} is this host's class: test_matmul runs it")
+    run = _host_runs(cls)
+    env = dict(os.environ, NUMBA_CPU_NAME=cpu, NUMBA_CPU_FEATURES="", PYTHONPATH=str(ROOT))
+    r = subprocess.run([sys.executable, "-c", _SCRIPT, cls, "1" if run else "0", str(ROOT / "tests")],
+                       capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)
+    assert r.returncode == 0 and "ok" in r.stdout, (r.stdout[-2000:], r.stderr[-4000:])
+
+
+def test_target_isa_follows_numba_cpu_override():
+    """The class is what Numba compiles for: the probe reads the (cpu, features) pair, so a named CPU
+    with its own features selects its class even on a host of another class."""
+    assert tiles._probe("sapphirerapids", "") == "avx512vnni"
+    assert tiles._probe("alderlake", "") == "avxvnni"
+    assert tiles._probe("znver3", "") == "avx2"
+    assert tiles._probe("alderlake", "-avxvnni") == "avx2"
