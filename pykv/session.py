@@ -360,8 +360,12 @@ class Session:
             got = {k: h.get(k) for k in want}
             if got != want:
                 def kv(d):
-                    return (f"{','.join(dict.fromkeys(d['kv_k'] or []))}/{','.join(dict.fromkeys(d['kv_v'] or []))} "
-                            f"KV, rotation {'on' if d['rotate'] else 'off'}, pages of {d['page_tokens']}")
+                    try:
+                        return (f"{','.join(map(str, dict.fromkeys(d['kv_k'] or [])))}/"
+                                f"{','.join(map(str, dict.fromkeys(d['kv_v'] or [])))} "
+                                f"KV, rotation {'on' if d['rotate'] else 'off'}, pages of {d['page_tokens']}")
+                    except (TypeError, KeyError, ValueError):   # a header field of the wrong type
+                        raise PykvError(f"corrupt state file (header layout): {path}") from None
                 raise PykvError(f"state file {path} holds a {kv(got)}; this model's cache has {kv(want)} "
                                 f"(load the model with the same KV types)")
             need = end + _CRC.size + sum(dt.itemsize * int(np.prod(sh)) for _, dt, sh, _ in table)
