@@ -107,7 +107,7 @@ class KVCache:
         else:
             n_pages = max_seqs * self.max_pages_per_seq
         self.n_pages = n_pages
-        self.k_smooth = [bool(k_smooth) and f.kind in ("ggml", "fp8") for f in k_fmts]
+        self.k_smooth = [bool(k_smooth) and f.kind in ("ggml", "fp8", "nl") for f in k_fmts]
         self.layers = [LayerKV(kf, vf, np.zeros((KVH, n_pages, pk), np.uint8),
                                np.zeros((KVH, n_pages, pv), np.uint8))
                        for kf, vf, (pk, pv) in zip(k_fmts, v_fmts, self.page_bytes)]

@@ -30,7 +30,7 @@ import numpy as np
 from .config import PykvError
 from .formats import KV_FORMATS, kv_bytes_per_token_head, parse_kv_type
 
-DEFAULT_TYPES = ("q8_0", "q5_1", "q5_0", "q4_1", "q4_0", "iq4_nl")
+DEFAULT_TYPES = ("q8_0", "q5_1", "q5_0", "q4_1", "q4_0", "iq4_nl", "nl4", "nl3", "nl2")
 CALIB_TOKENS = 512
 PLAN_VERSION = 1
 _UNIT = 4          # knapsack cost unit: 1/4 byte per token
