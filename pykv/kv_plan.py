@@ -410,11 +410,14 @@ def load_planned(path=None, *, kv_bits=None, kv_plan=None, kv_calib=None, kv_pla
 
 
 def _bar():
-    if not sys.stderr.isatty():
-        return None
+    """Progress on stderr: a counter on a terminal, every 10th run otherwise."""
+    tty = sys.stderr.isatty()
 
     def show(i, n):
-        print(f"\rKV sensitivity: run {i}/{n}", end="\n" if i == n else "", file=sys.stderr, flush=True)
+        if tty:
+            print(f"\rKV sensitivity: run {i}/{n}", end="\n" if i == n else "", file=sys.stderr, flush=True)
+        elif i % 10 == 0 or i == n:
+            print(f"KV sensitivity: run {i}/{n}", file=sys.stderr, flush=True)
     return show
 
 

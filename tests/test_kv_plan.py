@@ -138,3 +138,23 @@ def test_kv_bits_load_uses_cached_table(tiny_path, tmp_path, monkeypatch):
     files[0].write_text(json.dumps(t))
     m2 = pykv.load(tiny_path, n_ctx=64, kv_bits=6.0, kv_calib=str(calib), q8_act=False)
     assert m2.kv_plan["kl_estimate"] != plan["kl_estimate"]
+
+
+def test_cli_kv_sensitivity_estimate(tiny_path, tmp_path, capsys, monkeypatch):
+    """The estimate's reference column (the cheapest type) is the measured one-layer KL; every other
+    column is it times the all-layers ratio; --exact measures each entry."""
+    monkeypatch.setenv("PYKV_CACHE", str(tmp_path / "cache"))
+    text = tmp_path / "t.txt"
+    text.write_text("the theory of the thing, then the other, " * 8)
+    assert main(["kv-sensitivity", tiny_path, str(text), "-c", "48", "--types", "q8_0,nl2", "--json"]) == 0
+    est = json.loads(capsys.readouterr().out)
+    assert est["method"] == "estimate" and est["ref"] == "nl2" and len(est["k"]) == 3
+    assert main(["kv-sensitivity", tiny_path, str(text), "-c", "48", "--types", "q8_0,nl2", "--json",
+                 "--exact"]) == 0
+    ex = json.loads(capsys.readouterr().out)
+    for s in ("k", "v"):
+        e, x = np.array(est[s]), np.array(ex[s])
+        np.testing.assert_allclose(e[:, 1], x[:, 1], rtol=1e-5, atol=1e-12)
+        u = est["uniform"][s]
+        np.testing.assert_allclose(e[:, 0], e[:, 1] * u[0] / u[1], rtol=1e-9)
+        assert (x[:, 0] < x[:, 1]).all()     # q8_0 costs less KL than nl2 in every layer
