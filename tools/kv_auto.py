@@ -108,7 +108,9 @@ def main():
              "bytes_per_token": plan["bytes_per_token"], "bits": plan["bits_per_value"],
              "kl_estimate_calib": plan["kl_estimate"], "ctk": plan["ctk"], "ctv": plan["ctv"]}
         r["delta"] = r["ppl"] / base["ppl"] - 1
-        r["beats_uniform"] = all(r["kl"] < u["kl"] for u in rows if u["bytes_per_token"] >= r["bytes_per_token"])
+        dearer = [u for u in rows if u["bytes_per_token"] >= r["bytes_per_token"]]
+        r["uniform_same_or_more_bytes"] = [u["kv_type"] for u in dearer]
+        r["not_beaten_by_plan"] = [u["kv_type"] for u in dearer if u["kl"] <= r["kl"]]
         plans.append(r)
         log(r)
     if a.additivity:
