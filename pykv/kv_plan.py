@@ -389,6 +389,8 @@ def load_planned(path=None, *, kv_bits=None, kv_plan=None, kv_calib=None, kv_pla
     from .model import load
     if kv_bits is not None and kv_plan is not None:
         raise PykvError("give --kv-bits or --kv-plan, not both")
+    if (kv_bits is not None or kv_plan is not None) and (kw.get("kv_type_k", "f16"), kw.get("kv_type_v", "f16")) != ("f16", "f16"):
+        raise PykvError("--kv-bits / --kv-plan choose the per-layer types: drop -ctk / -ctv")
     model = load(path, **kw)
     if kv_plan is None and kv_bits is None:
         return model

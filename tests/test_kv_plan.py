@@ -158,3 +158,8 @@ def test_cli_kv_sensitivity_estimate(tiny_path, tmp_path, capsys, monkeypatch):
         u = est["uniform"][s]
         np.testing.assert_allclose(e[:, 0], e[:, 1] * u[0] / u[1], rtol=1e-9)
         assert (x[:, 0] < x[:, 1]).all()     # q8_0 costs less KL than nl2 in every layer
+
+
+def test_kv_bits_with_explicit_types_is_refused(tiny_path):
+    with pytest.raises(pykv.PykvError, match="drop -ctk / -ctv"):
+        pykv.load(tiny_path, n_ctx=64, kv_bits=4.5, kv_type_k="q4_0")
