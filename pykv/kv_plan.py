@@ -436,7 +436,7 @@ def cmd_sensitivity(args) -> int:
         types = [parse_kv_type(t).name for t in types]
     except ValueError as e:
         raise PykvError(str(e)) from None
-    model = load(model_path, n_ctx=args.ctx_size, threads=args.threads, q8_act=False)
+    model = load(model_path, n_ctx=args.ctx_size, threads=args.threads, q8_act=False, device=args.device)
     ids = model.tokenize(text)[:args.ctx_size]
     if len(ids) < 16:
         raise PykvError(f"{textfile} has {len(ids)} tokens; at least 16 are needed")
