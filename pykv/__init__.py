@@ -6,8 +6,11 @@ from .config import Config, PykvError  # noqa: E402
 
 def load(path=None, *, n_ctx=2048, kv_type_k="f16", kv_type_v="f16", threads=None, **kw):
     """Load a GGUF LLaMA model (path=None: the default SmolLM2-135M-Instruct Q4_1, fetched on first use).
-    Keywords of pykv.model.Model: kv_rotate, page_tokens, n_batch, kv_budget, kv_smooth, q8_act, max_seqs."""
-    from .model import load as _load
+    Keywords of pykv.model.Model: kv_rotate, page_tokens, n_batch, kv_budget, kv_smooth, q8_act, max_seqs,
+    device ("cpu" | "cuda"). kv_bits=4.5: per-layer K/V types chosen to minimise measured KL at that many
+    bits per stored value (kv_calib: a calibration text file, default built-in); kv_plan=FILE: the types
+    from a saved plan."""
+    from .kv_plan import load_planned as _load
     return _load(path, n_ctx=n_ctx, kv_type_k=kv_type_k, kv_type_v=kv_type_v, threads=threads, **kw)
 
 

@@ -8,7 +8,7 @@ import warnings
 
 from .config import PykvError
 
-KV_HELP = "KV cache type: f32 f16 bf16 q8_0 q4_0 q4_1 q5_0 q5_1 iq4_nl fp8_e4m3 fp8_e5m2 int4 int2"
+KV_HELP = "KV cache type: f32 f16 bf16 q8_0 q4_0 q4_1 q5_0 q5_1 iq4_nl fp8_e4m3 fp8_e5m2 int4 int2 nl4 nl3 nl2"
 
 
 def _model_args(p: argparse.ArgumentParser, with_prompt: bool = False) -> None:
@@ -21,12 +21,17 @@ def _model_args(p: argparse.ArgumentParser, with_prompt: bool = False) -> None:
     p.add_argument("--kv-rotate", choices=["on", "off", "auto"], default="auto",
                    help="Hadamard rotation of K/V before quantization (auto: on for quantized types)")
     p.add_argument("--kv-budget", default=None, help="cap the KV pool, e.g. 64MiB")
+    p.add_argument("--kv-bits", type=float, default=None,
+                   help="pick per-layer K/V types minimising measured KL at this many bits per stored value")
+    p.add_argument("--kv-calib", default=None, help="calibration text for --kv-bits (default: built-in)")
+    p.add_argument("--kv-plan", default=None, help="per-layer K/V types from a plan JSON (--kv-plan-out)")
+    p.add_argument("--kv-plan-out", default=None, help="save the chosen per-layer plan as JSON")
     p.add_argument("-t", "--threads", type=int, default=None, help="threads (default: all cores)")
     device_arg(p)
 
 
 def device_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+    p.add_argument("--device", default="cpu",      # checked by kernels.backend.get_backend: one-line error
                    help="where the model runs: cpu, or cuda (an NVIDIA GPU through numba.cuda; pip install "
                         "'pykv[cuda]')")
 
@@ -63,14 +68,15 @@ def _kv_types(s: str):
 
 
 def load_from_args(args, model_path, **kw):
-    from .model import load
+    from .kv_plan import load_planned
     if args.threads is not None and args.threads < 1:
         raise PykvError(f"-t/--threads must be >= 1, got {args.threads}")
     rot = {"on": True, "off": False, "auto": None}[args.kv_rotate]
     budget = parse_bytes(args.kv_budget) if args.kv_budget else None
-    return load(model_path, n_ctx=args.ctx_size, kv_type_k=_kv_types(args.cache_type_k),
-                kv_type_v=_kv_types(args.cache_type_v), threads=args.threads, kv_rotate=rot,
-                kv_budget=budget, device=args.device, **kw)
+    return load_planned(model_path, n_ctx=args.ctx_size, kv_type_k=_kv_types(args.cache_type_k),
+                        kv_type_v=_kv_types(args.cache_type_v), threads=args.threads, kv_rotate=rot,
+                        kv_budget=budget, device=args.device, kv_bits=args.kv_bits, kv_plan=args.kv_plan,
+                        kv_calib=args.kv_calib, kv_plan_out=args.kv_plan_out, verbose=True, **kw)
 
 
 def cmd_run(args) -> int:
@@ -134,7 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("name", nargs="?", default=None)
     p.set_defaults(func=cmd_pull)
 
-    for mod in ("evaluate", "bench", "convert", "chat"):
+    for mod in ("evaluate", "kv_plan", "bench", "convert", "chat"):
         try:
             m = __import__(f"pykv.{mod}", fromlist=["register_cli"])
         except ImportError:

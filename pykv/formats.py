@@ -18,6 +18,10 @@ Byte cost of ONE token's head vector (``head_dim`` values) -- ``row_bytes``:
                           bytes of codes, i.e. head_dim*bits/8 + 4*head_dim/P bytes per token amortized
                           (see ``kivi_page_bytes``).  For P = 32 that is the same 5 / 3 bits per value.
 
+* nl4 / nl3 / nl2 (pykv's own):  blocks of 64 values, [f16 d][64*bits/8 bytes of codes]; value =
+                          d * NL_TABLE[bits][code], the Lloyd-Max levels of a unit Gaussian (what a
+                          Hadamard-rotated head vector looks like) -> 4.25 / 3.25 / 2.25 bits per value.
+
 ``bytes_per_token`` sums K and V over layers and KV heads; the f16 residual page KIVI keeps per
 sequence (a constant, not a per-token cost) is not included.
 """
@@ -32,6 +36,7 @@ __all__ = [
     "kv_bytes_per_token_head", "bytes_per_token", "bits_per_value",
     "CODE_F32", "CODE_F16", "CODE_BF16", "CODE_Q8_0", "CODE_Q4_0", "CODE_Q4_1", "CODE_Q5_0",
     "CODE_Q5_1", "CODE_IQ4_NL", "CODE_FP8_E4M3", "CODE_FP8_E5M2", "CODE_INT4", "CODE_INT2",
+    "CODE_NL4", "CODE_NL3", "CODE_NL2",
 ]
 
 
@@ -42,7 +47,7 @@ class KVFormat:
     block_size: int      # values per block
     block_bytes: int     # bytes per block
     bits: float          # bits per value including block scales (fp8: excluding the per-row scale)
-    kind: str            # 'float' | 'ggml' | 'fp8' | 'kivi'
+    kind: str            # 'float' | 'ggml' | 'fp8' | 'kivi' | 'nl'
     ggml_type: _T | None  # the gguf type when the byte layout is ggml's
     row_extra: int = 0   # bytes per row on top of the blocks (fp8: the f32 row scale)
 
@@ -60,6 +65,9 @@ CODE_FP8_E4M3 = 9
 CODE_FP8_E5M2 = 10
 CODE_INT4 = 11
 CODE_INT2 = 12
+CODE_NL4 = 13
+CODE_NL3 = 14
+CODE_NL2 = 15
 
 _F = KVFormat
 # name                 code            bs  bytes  bits   kind     ggml type
@@ -77,6 +85,9 @@ KV_FORMATS: dict[str, KVFormat] = {f.name: f for f in (
     _F("fp8_e5m2", CODE_FP8_E5M2,  1,  1,   8.0, "fp8",   None, 4),
     _F("int4",     CODE_INT4,     32, 20,   5.0, "kivi",  None),
     _F("int2",     CODE_INT2,     32, 12,   3.0, "kivi",  None),
+    _F("nl4",      CODE_NL4,      64, 34,  4.25, "nl",    None),
+    _F("nl3",      CODE_NL3,      64, 26,  3.25, "nl",    None),
+    _F("nl2",      CODE_NL2,      64, 18,  2.25, "nl",    None),
 )}
 del _F
 

@@ -97,6 +97,8 @@ class KVCache:
         k_fmts = _fmt_list(k_types, cfg.n_layers, "cache-type-k")
         v_fmts = _fmt_list(v_types, cfg.n_layers, "cache-type-v")
         for f in k_fmts + v_fmts:
+            if f.kind == "nl" and be.name != "cpu":
+                raise PykvError(f"KV type {f.name} runs on the CPU only for now (device {be.name})")
             if HD % f.block_size:
                 raise PykvError(f"KV type {f.name} needs head_dim divisible by {f.block_size} (head_dim {HD})")
         self.max_pages_per_seq = math.ceil(self.n_ctx / self.P)
@@ -111,7 +113,7 @@ class KVCache:
         else:
             n_pages = max_seqs * self.max_pages_per_seq
         self.n_pages = n_pages
-        self.k_smooth = [bool(k_smooth) and f.kind in ("ggml", "fp8") for f in k_fmts]
+        self.k_smooth = [bool(k_smooth) and f.kind in ("ggml", "fp8", "nl") for f in k_fmts]
         self.layers = [LayerKV(kf, vf, be.zeros((KVH, n_pages, pk), np.uint8),
                                be.zeros((KVH, n_pages, pv), np.uint8))
                        for kf, vf, (pk, pv) in zip(k_fmts, v_fmts, self.page_bytes)]

@@ -23,7 +23,7 @@ from pykv.kernels.backend import CudaBackend, get_backend
 from pykv.kernels.cuda.shared import SIM
 from pykv.kv_cache import KVCache
 
-FORMATS = list(KV_FORMATS)
+FORMATS = [n for n, f in KV_FORMATS.items() if f.kind != "nl"]   # nl4/nl3/nl2: CPU only for now
 P = 4
 RTOL = 1e-4
 
@@ -215,3 +215,11 @@ def test_smooth_stats_on_device(be):
         a, b = getattr(sc, name), dev.be.to_host(getattr(sd, name))
         assert np.abs(a - 1.0 * (name == "k_scale")).max() > 0.1, f"{name} was not set"
         assert np.array_equal(a, b), name
+
+
+def test_nl_types_refused_on_cuda():
+    """nl4/nl3/nl2 have no GPU attention yet: a cuda cache of them is a one-line error, not wrong numbers."""
+    from pykv.config import PykvError
+    cfg = make_cfg(1, 1, HD=64)
+    with pytest.raises(PykvError, match="CPU only"):
+        KVCache(cfg, 64, "nl4", "f16", page_tokens=P, backend=get_backend("cuda"))

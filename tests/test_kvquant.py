@@ -101,7 +101,7 @@ def gguf_dequant(fmt, raw, hd):
 
 def test_format_table():
     assert set(F.KV_FORMATS) == {"f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1",
-                                 "iq4_nl", "fp8_e4m3", "fp8_e5m2", "int4", "int2"}
+                                 "iq4_nl", "fp8_e4m3", "fp8_e5m2", "int4", "int2", "nl4", "nl3", "nl2"}
     codes = [f.code for f in F.KV_FORMATS.values()]
     assert len(set(codes)) == len(codes)
     from gguf.constants import GGML_QUANT_SIZES
@@ -114,7 +114,8 @@ def test_format_table():
 
 def test_row_bytes_hd64():
     want = {"f32": 256, "f16": 128, "bf16": 128, "q8_0": 68, "q4_0": 36, "q4_1": 40, "q5_0": 44,
-            "q5_1": 48, "iq4_nl": 36, "fp8_e4m3": 68, "fp8_e5m2": 68, "int4": 40, "int2": 24}
+            "q5_1": 48, "iq4_nl": 36, "fp8_e4m3": 68, "fp8_e5m2": 68, "int4": 40, "int2": 24,
+            "nl4": 34, "nl3": 26, "nl2": 18}
     assert {n: F.row_bytes(n, 64) for n in ALL} == want
     with pytest.raises(ValueError):
         F.row_bytes("q8_0", 48)
@@ -392,6 +393,38 @@ def test_fp8(fmt):
         x = np.resize(finite, 256 if fmt == "fp8_e4m3" else 256).astype(np.float32) * np.float32(scale)
         x[0] = fmax * scale
         assert np.array_equal(dqrow(fmt, qrow(fmt, x), 256), x)
+
+
+# ------------------------------------------------------------------------------------------------
+# nl4 / nl3 / nl2: Lloyd-Max codebooks, blocks of 64
+# ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("fmt,bits", [("nl4", 4), ("nl3", 3), ("nl2", 2)])
+def test_nl_rows(fmt, bits):
+    """The bytes decode (numpy bit stream) to d * level, each code is the level nearest x / d for the
+    stored d, and on Gaussian rows the error is at most the Lloyd-Max quantizer's for a known variance."""
+    from pykv.kernels.blocks import NL_TABLE
+    tab = NL_TABLE[bits, :1 << bits].astype(np.float64)
+    assert (np.diff(tab) > 0).all() and np.allclose(tab, -tab[::-1])
+    for label, x in ROWS:
+        if label.startswith("huge"):
+            continue      # scales past f16's range
+        got = qrow(fmt, x)
+        deq = dqrow(fmt, got, x.shape[0])
+        bb = 2 + 8 * bits
+        for b in range(x.shape[0] // 64):
+            blk = got[bb * b:bb * (b + 1)]
+            d = blk[:2].view(np.float16)[0].astype(np.float64)
+            stream = np.unpackbits(blk[2:], bitorder="little")
+            codes = (stream.reshape(64, bits) * (1 << np.arange(bits))).sum(1)
+            np.testing.assert_allclose(deq[64 * b:64 * (b + 1)], d * tab[codes], rtol=1e-6, atol=1e-30)
+            xb = x[64 * b:64 * (b + 1)].astype(np.float64)
+            if d != 0:
+                near = np.abs(xb[:, None] / d - tab[None, :]).argmin(1)
+                assert (np.abs(xb / d - tab[codes]) <= np.abs(xb / d - tab[near]) + 1e-5).all(), label
+    X = np.random.default_rng(3).standard_normal((64, 128)).astype(np.float32)
+    err = sum(((dqrow(fmt, qrow(fmt, x), 128) - x) ** 2).sum() for x in X) / (X ** 2).sum()
+    assert err < {4: 0.0095, 3: 0.0345, 2: 0.1175}[bits]
 
 
 # ------------------------------------------------------------------------------------------------

@@ -95,6 +95,28 @@ ERRORS = {
     "quantize-dir": (["quantize", "DIR", "OUT", "q8_0"], "is a directory"),
     "quantize-out-dir": (["quantize", "M", "DIR", "q8_0"], "is a directory"),
     "quantize-dir-imatrix": (["quantize", "M", "OUT", "q4_k_m", "--imatrix", "DIR"], "DIR"),
+    # unknown device (and cuda where no GPU is: tests/test_cuda_model.py)
+    "run-device": (["run", "M", "hi", "--device", "tpu", "-n", "1", "-c", "256"], "unknown device 'tpu'"),
+    "perplexity-device": (["perplexity", "M", "TXT", "--device", "tpu", "-c", "256"], "unknown device 'tpu'"),
+    "bench-device": (["bench", "M", "--device", "tpu", "-r", "1"], "unknown device 'tpu'"),
+    "chat-device": (["chat", "M", "--device", "tpu"], "unknown device 'tpu'"),
+    "kv-sensitivity-device": (["kv-sensitivity", "M", "TXT", "--types", "q8_0", "--device", "tpu"], "unknown device 'tpu'"),
+    # pykv chat: the same rows (its loop never starts)
+    "chat-budget": (["chat", "M", "--kv-budget", "1KiB", "-c", "256"], "cannot hold one page"),
+    "chat-threads": (["chat", "M", "-t", "0"], "threads must be >= 1"),
+    "chat-kv": (["chat", "M", "-ctk", "q9_9", "-c", "256"], "unknown KV cache type 'q9_9'"),
+    "chat-registry": (["chat", "no-such-model"], "model not found: no-such-model"),
+    "chat-missing": (["chat", "MISSING"], "not found"),
+    "chat-missing-state": (["chat", "M", "--load", "MISSING", "-c", "256"], "MISSING"),
+    "chat-unreadable": (["chat", "SOCK"], "not a regular file"),
+    "chat-dir": (["chat", "DIR"], "is a directory"),
+    # pykv kv-sensitivity
+    "kv-sensitivity-threads": (["kv-sensitivity", "M", "TXT", "-t", "0"], "threads must be >= 1"),
+    "kv-sensitivity-kv": (["kv-sensitivity", "M", "TXT", "--types", "q9_9", "--no-cache"], "q9_9"),
+    "kv-sensitivity-registry": (["kv-sensitivity", "no-such-model", "TXT"], "model not found: no-such-model"),
+    "kv-sensitivity-missing": (["kv-sensitivity", "MISSING", "TXT"], "not found"),
+    "kv-sensitivity-missing-text": (["kv-sensitivity", "M", "MISSING"], "MISSING"),
+    "kv-sensitivity-dir": (["kv-sensitivity", "DIR", "TXT"], "is a directory"),
 }
 
 

@@ -26,6 +26,9 @@ Pools (one per layer, K and V):  uint8[KVH, n_pages, P * row_bytes]  (token-majo
     head-major pages, so one head's pages are one stream for the hardware prefetcher)
     KIVI keys instead hold one per-channel-quantized page per (g, page): uint8[KVH, n_pages, page_bytes]
 Residual (KIVI types only): uint8[KVH, P, 2 * HD] f16 rows of the sequence's newest, not yet full page.
+
+Numba's on-disk cache keys this module on ITS source text only: deq_rows is inlined from blocks.py, so a
+new format there needs a change here (or a cleared __pycache__) before cached builds pick it up.
 """
 import numpy as np
 from numba import njit, prange

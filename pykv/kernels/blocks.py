@@ -30,17 +30,25 @@ import numpy as np
 from numba import njit
 
 from ..formats import (CODE_BF16, CODE_F16, CODE_F32, CODE_FP8_E4M3, CODE_FP8_E5M2, CODE_INT2,
-                       CODE_INT4, CODE_IQ4_NL, CODE_Q4_0, CODE_Q4_1, CODE_Q5_0, CODE_Q5_1, CODE_Q8_0)
+                       CODE_INT4, CODE_IQ4_NL, CODE_NL2, CODE_NL3, CODE_NL4, CODE_Q4_0, CODE_Q4_1, CODE_Q5_0,
+                       CODE_Q5_1, CODE_Q8_0)
 from .simd import bits_f32, deq_q4_0, deq_q4_1, deq_q8_0, h2f
 
 U = np.uint64
 KVALUES_IQ4NL = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113],
                          dtype=np.int8)
 IQ4NL_F = KVALUES_IQ4NL.astype(np.float32)
+# nl2 / nl3 / nl4: row `bits` holds the 2^bits Lloyd-Max levels of a unit Gaussian, ascending
+_LM = {2: [0.4528, 1.5104], 3: [0.2451, 0.7560, 1.3440, 2.1520],
+       4: [0.1284, 0.3881, 0.6568, 0.9423, 1.2562, 1.6180, 2.0690, 2.7326]}
+NL_TABLE = np.zeros((5, 16), np.float32)   # (bits, level)
+for _b, _h in _LM.items():
+    NL_TABLE[_b, :1 << _b] = [-v for v in _h[::-1]] + _h
+del _b, _h
 
 __all__ = ["deq_q8_0", "deq_q4_0", "deq_q4_1", "deq_q5", "deq_iq4_nl", "deq_int2", "deq_f32",
            "deq_f16", "deq_bf16", "deq_fp8", "deq_rows", "deq_kivi_k_rows", "deq_unit", "deq_kivi_k_unit", "rd_f16",
-           "rd_f32", "rd_u32", "KVALUES_IQ4NL", "IQ4NL_F"]
+           "rd_f32", "rd_u32", "KVALUES_IQ4NL", "IQ4NL_F", "NL_TABLE", "deq_nl", "nl_bits"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -120,6 +128,29 @@ def deq_int2(src, so, out, oo, qb):
         for j in range(qb):
             v = np.int32(src[o + U(4 + j)])
             out[U(oo + qb * k + j)] = d * np.float32((v >> (2 * k)) & 3) + m
+
+
+@njit(cache=True, inline="always")
+def nl_bits(code):
+    """Code width of an nl format (nl4 -> 4, nl3 -> 3, nl2 -> 2); 0 for every other format."""
+    return 4 if code == CODE_NL4 else (3 if code == CODE_NL3 else (2 if code == CODE_NL2 else 0))
+
+
+@njit(cache=True, inline="always")
+def deq_nl(src, so, out, oo, bits):
+    """nl block of 64 [f16 d][64*bits/8 bytes]: element j's code is bits b*j .. b*j+b-1 of the code
+    bytes read as one little-endian bit stream; value = d * NL_TABLE[bits, code]."""
+    o = U(so)
+    d = rd_f16(src, o)
+    mask = (1 << bits) - 1
+    for j in range(64):
+        bit = bits * j
+        p = o + U(2 + (bit >> 3))
+        sh = bit & 7
+        v = np.int32(src[p]) >> sh
+        if sh + bits > 8:
+            v |= np.int32(src[p + U(1)]) << (8 - sh)
+        out[U(oo + j)] = d * NL_TABLE[bits, v & mask]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -206,6 +237,13 @@ def deq_rows(code, src, o0, rb, n, out):
             row = out[r]
             for b in range(nb):
                 deq_int2(src, o0 + r * rb + 12 * b, row, 32 * b, qb)
+    elif code == CODE_NL4 or code == CODE_NL3 or code == CODE_NL2:
+        bits = nl_bits(code)
+        bb = 2 + 8 * bits
+        for r in range(n):
+            row = out[r]
+            for b in range(HD // 64):
+                deq_nl(src, o0 + r * rb + bb * b, row, 64 * b, bits)
     elif code == CODE_FP8_E4M3 or code == CODE_FP8_E5M2:
         e4m3 = code == CODE_FP8_E4M3
         for r in range(n):

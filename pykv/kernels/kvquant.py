@@ -39,6 +39,10 @@ Byte layouts (little endian):
     m = min rounded DOWN to f16, d = (max - m) / (2^bits - 1) rounded UP to f16, so that
     [m, m + d * qmax] covers the group; code = round_half_away((x - m) / d) clamped to [0, qmax];
     value = code * d + m  ->  |x - value| <= d / 2 (plus float rounding).
+  nl4 / nl3 / nl2: blocks of 64, [f16 d][codes as one little-endian bit stream, bits per element];
+    value = d * NL_TABLE[bits, code] (blocks.NL_TABLE: Lloyd-Max levels of a unit Gaussian).  d starts
+    at the block's RMS and takes 4 Lloyd steps (nearest level, then d = sum(x q) / sum(q q)); the codes
+    are the nearest levels for the stored (f16) d.
   int4 / int2 (KIVI) key pages (one KV head, P tokens):
     [f16 d[HD]][f16 m[HD]]  (4*HD bytes, per channel over the page's P tokens)
     then the codes TOKEN-MAJOR: token t's HD codes at 4*HD + t*HD*bits/8, packed in groups of 32
@@ -55,8 +59,9 @@ import numpy as np
 from numba import njit, prange
 
 from ..formats import (CODE_BF16, CODE_F16, CODE_F32, CODE_FP8_E4M3, CODE_FP8_E5M2, CODE_INT2,
-                       CODE_INT4, CODE_IQ4_NL, CODE_Q4_0, CODE_Q4_1, CODE_Q5_0, CODE_Q5_1, CODE_Q8_0)
-from .blocks import IQ4NL_F, deq_rows, rd_f16
+                       CODE_INT4, CODE_IQ4_NL, CODE_NL2, CODE_NL3, CODE_NL4, CODE_Q4_0, CODE_Q4_1, CODE_Q5_0,
+                       CODE_Q5_1, CODE_Q8_0)
+from .blocks import IQ4NL_F, NL_TABLE, deq_rows, nl_bits, rd_f16
 from .simd import bits_f32, f32_bits, floorf, fmul_rn, h2f
 
 # ----------------------------------------------------------------------------------------------
@@ -345,6 +350,52 @@ def _qblk_iq4_nl(x, xo, dst, do, ntry):
         dst[do + 2 + j] = np.uint8(l0 | (l1 << 4))
 
 
+@njit(cache=True)
+def _nl_index(v, bits):
+    """Index of the NL_TABLE[bits] level nearest to v."""
+    best = 0
+    bd = abs(v - NL_TABLE[bits, 0])
+    for i in range(1, 1 << bits):
+        e = abs(v - NL_TABLE[bits, i])
+        if e < bd:
+            bd = e
+            best = i
+    return best
+
+
+@njit(cache=True)
+def _qblk_nl(x, xo, dst, do, bits):
+    ss = np.float32(0.0)
+    for j in range(64):
+        ss += x[xo + j] * x[xo + j]
+    d = np.float32(np.sqrt(ss / np.float32(64.0)))
+    for _ in range(4):
+        if d == np.float32(0.0):
+            break
+        idd = np.float32(1.0) / d
+        sqx = np.float32(0.0)
+        sq2 = np.float32(0.0)
+        for j in range(64):
+            q = NL_TABLE[bits, _nl_index(x[xo + j] * idd, bits)]
+            sqx += q * x[xo + j]
+            sq2 += q * q
+        d = sqx / sq2
+    h = f32_to_f16_bits(d)
+    wr_u16(dst, do, h)
+    dh = h2f(np.uint16(h))
+    idd = np.float32(1.0) / dh if dh != np.float32(0.0) else np.float32(0.0)
+    for k in range(8 * bits):
+        dst[do + 2 + k] = np.uint8(0)
+    for j in range(64):
+        c = _nl_index(x[xo + j] * idd, bits)
+        bit = bits * j
+        p = do + 2 + (bit >> 3)
+        sh = bit & 7
+        dst[p] |= np.uint8((c << sh) & 0xFF)
+        if sh + bits > 8:
+            dst[p + 1] |= np.uint8(c >> (8 - sh))
+
+
 # ----------------------------------------------------------------------------------------------
 # fp8 (OCP e4m3fn / e5m2), per-row f32 scale
 # ----------------------------------------------------------------------------------------------
@@ -479,9 +530,12 @@ def quantize_row_iq4_nl(x, dst, ntry):
 @njit(cache=True)
 def row_units(code, n):
     """Independent pieces a row of n values quantizes in (quantize_block's b): its 32-value blocks
-    (float formats: runs of 32 values), or 1 for fp8 (one scale per row)."""
+    (float formats: runs of 32 values), its 64-value blocks for nl4/nl3/nl2, or 1 for fp8 (one scale
+    per row)."""
     if code == CODE_FP8_E4M3 or code == CODE_FP8_E5M2:
         return 1
+    if code == CODE_NL4 or code == CODE_NL3 or code == CODE_NL2:
+        return n // 64
     return (n + 31) // 32
 
 
@@ -519,6 +573,9 @@ def quantize_block(code, x, b, dst):
         _qgrp_kivi(x, b, dst, 4)
     elif code == CODE_INT2:
         _qgrp_kivi(x, b, dst, 2)
+    elif code == CODE_NL4 or code == CODE_NL3 or code == CODE_NL2:
+        bits = nl_bits(code)
+        _qblk_nl(x, 64 * b, dst, (2 + 8 * bits) * b, bits)
 
 
 @njit(cache=True)

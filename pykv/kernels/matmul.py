@@ -858,6 +858,7 @@ def prepare_weight(ggml_type: int, data: np.ndarray, rows: int, cols: int, q8_ac
     (the integer-dot tiles, q8 activations, are the default on every host)."""
     gt, raw = check_weight(ggml_type, data, rows, cols)
     rows, cols = int(rows), int(cols)
+    bb = _BLOCK[gt][1]
     w = Weight()
     w.ggml_type, w.rows, w.cols = gt, rows, cols
     w.raw = raw

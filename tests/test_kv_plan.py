@@ -1,0 +1,165 @@
+"""Automatic per-layer KV precision (pykv/kv_plan.py): byte accounting, the budgeted planner, plan files,
+the sensitivity probes and the CLI, on a tiny synthetic model (seconds)."""
+import json
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as T
+
+import pykv
+from pykv import kv_plan as KP
+from pykv.cli import main
+from tests.reference import write_tiny_gguf
+
+IDS = [5, 77, 3, 200, 201, 9, 140, 33, 2, 250, 1, 17, 99, 45, 200, 201, 7, 8, 9, 10, 11, 12, 13, 14,
+       15, 16, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 60, 61, 62, 63, 64, 65, 66, 67, 68, 69]
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory):
+    return str(write_tiny_gguf(tmp_path_factory.mktemp("kvp") / "tiny.gguf", {"default": T.F32}, n_layers=3,
+                               dim=128, ff=256, n_heads=2, n_kv=1))
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_path):
+    return pykv.load(tiny_path, n_ctx=64, q8_act=False)
+
+
+@pytest.mark.parametrize("kt,vt", [(["q8_0", "q4_0", "f16"], ["int4", "f16", "iq4_nl"]),
+                                   (["int2"] * 3, ["q5_1"] * 3), (["f16"] * 3, ["f16"] * 3)])
+def test_bits_accounting_matches_the_cache(tiny, kt, vt):
+    """plan_bytes * n_ctx equals what the cache really holds for a full context: the pool pages of one
+    sequence plus its f16 sink rows and KIVI rings."""
+    tiny.set_kv_types(kt, vt)
+    seq = tiny.new_sequence()
+    c = tiny.cache
+    real = c.nbytes() + sum(a.nbytes for a in seq.sink.values()) + sum(a.nbytes for a in seq.residual.values())
+    assert c.capacity_tokens() == tiny.n_ctx
+    assert KP.plan_bytes(tiny.config, kt, vt, tiny.n_ctx) * tiny.n_ctx == pytest.approx(real, rel=1e-12)
+    assert KP.plan_bytes(tiny.config, kt, vt, 1 << 40) == pytest.approx(c.bytes_per_token(), rel=1e-9)
+
+
+def _table(L, types, k, v):
+    return {"types": types, "k": k, "v": v, "method": "exact", "n_tokens": 0}
+
+
+def test_planner_respects_budget_and_picks_lower_kl(tiny):
+    cfg, n = tiny.config, tiny.n_ctx
+    types = ["q8_0", "q4_0", "iq4_nl"]
+    # layer 1's K is very sensitive; iq4_nl beats q4_0 (same bytes) on layer 2's V only
+    k = [[1e-4, 1e-2, 2e-2], [1e-4, 5.0, 5.0], [1e-4, 1e-2, 2e-2]]
+    v = [[1e-4, 1e-2, 2e-2], [1e-4, 1e-2, 2e-2], [1e-4, 3e-2, 1e-3]]
+    table = _table(3, types, k, v)
+    q4 = KP.plan_bytes(cfg, ["q4_0"] * 3, ["q4_0"] * 3, n)
+    q8 = KP.side_bytes(cfg, "q8_0", True, n) - KP.side_bytes(cfg, "q4_0", True, n)
+    plan = KP.solve(table, cfg, n, q4 + q8)            # room for exactly one q8_0 side
+    assert plan["bytes_per_token"] <= q4 + q8
+    assert plan["ctk"] == ["q4_0", "q8_0", "q4_0"]
+    assert plan["ctv"] == ["q4_0", "q4_0", "iq4_nl"]
+    assert plan["kl_estimate"] == pytest.approx(1e-4 + 4e-2 + 1e-3)
+    b4 = KP.bits_per_value(cfg, q4)     # 4.5 + the sinks amortised over 64 tokens
+    for bits in (b4 + 0.05, b4 + 1, b4 + 2.5, b4 + 4, 16.0):
+        p = KP.solve(table, cfg, n, KP.bits_to_bytes(cfg, bits))
+        assert p["bits_per_value"] <= bits + 1e-9
+        assert p["bytes_per_token"] == pytest.approx(KP.plan_bytes(cfg, p["ctk"], p["ctv"], n))
+    assert KP.solve(table, cfg, n, KP.bits_to_bytes(cfg, 16.0))["kl_estimate"] == 0.0   # all f16 fits
+    with pytest.raises(pykv.PykvError, match="below the cheapest plan"):
+        KP.solve(table, cfg, n, q4 - 1)
+
+
+def test_planner_is_optimal_on_random_tables(tiny):
+    """The DP's KL equals brute force over every combination (3 layers x 2 sides x 3 options)."""
+    import itertools
+    cfg, n = tiny.config, tiny.n_ctx
+    rng = np.random.default_rng(1)
+    types = ["q4_0", "q8_0"]
+    opts = types + ["f16"]
+    for _ in range(5):
+        k, v = rng.random((3, 2)).tolist(), rng.random((3, 2)).tolist()
+        budget = rng.uniform(KP.plan_bytes(cfg, ["q4_0"] * 3, ["q4_0"] * 3, n),
+                             KP.plan_bytes(cfg, ["f16"] * 3, ["f16"] * 3, n))
+        best = np.inf
+        for c in itertools.product(range(3), repeat=6):
+            kt, vt = [opts[i] for i in c[:3]], [opts[i] for i in c[3:]]
+            if KP.plan_bytes(cfg, kt, vt, n) <= budget:
+                best = min(best, sum(([*k[l], 0.0][c[l]] + [*v[l], 0.0][c[3 + l]]) for l in range(3)))
+        p = KP.solve(_table(3, types, k, v), cfg, n, budget)
+        assert p["kl_estimate"] == pytest.approx(best)
+
+
+def test_plan_round_trip_and_layer_check(tiny, tmp_path):
+    table = _table(3, ["q8_0", "q4_0"], [[1e-3, 1e-2]] * 3, [[1e-3, 2e-2]] * 3)
+    plan = KP.solve(table, tiny.config, tiny.n_ctx, KP.bits_to_bytes(tiny.config, 6.0))
+    f = tmp_path / "plan.json"
+    KP.save_plan(f, plan)
+    assert KP.read_plan(f, 3) == json.loads(json.dumps(plan))
+    with pytest.raises(pykv.PykvError, match="is for 3 layers, the model has 4"):
+        KP.read_plan(f, 4)
+
+
+def test_cli_refuses_plan_with_wrong_layer_count(tiny_path, tmp_path, capsys):
+    f = tmp_path / "bad.json"
+    f.write_text(json.dumps({"ctk": ["q4_0"] * 5, "ctv": ["q4_0"] * 5}))
+    text = tmp_path / "t.txt"
+    text.write_text("the the the " * 40)
+    rc = main(["perplexity", tiny_path, str(text), "-c", "32", "--kv-plan", str(f)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2
+    assert err == [f"pykv: error: KV plan {f} is for 5 layers, the model has 3"]
+
+
+def test_sensitivity_probe_matches_full_run(tiny):
+    """A probe that re-runs layers l.. from the saved residual stream gives the KL of a whole run."""
+    from pykv.evaluate import log_softmax
+    pr = KP._Prober(tiny, IDS)
+    kt = ["f16", "q4_0", "f16"]
+    fast = pr.kl(kt, "f16", l0=1)
+    tiny.set_kv_types(kt, "f16", kv_rotate=True)
+    lp = log_softmax(tiny.eval(tiny.new_sequence(), IDS, all_logits=True))
+    full = float((np.exp(pr.base) * (pr.base - lp)).sum(1).mean())
+    assert fast > 0
+    assert fast == pytest.approx(full, rel=1e-4, abs=1e-9)
+
+
+def test_kv_bits_load_uses_cached_table(tiny_path, tmp_path, monkeypatch):
+    monkeypatch.setenv("PYKV_CACHE", str(tmp_path / "cache"))
+    calib = tmp_path / "calib.txt"
+    calib.write_text("the quick brown fox jumps over the lazy dog. " * 6)
+    m = pykv.load(tiny_path, n_ctx=64, kv_bits=6.0, kv_calib=str(calib), q8_act=False)
+    plan = m.kv_plan
+    assert plan["bits_per_value"] <= 6.0
+    assert [l.k_fmt.name for l in m.cache.layers] == plan["ctk"]
+    assert [l.v_fmt.name for l in m.cache.layers] == plan["ctv"]
+    files = list((tmp_path / "cache" / "kv_sensitivity").glob("*.json"))
+    assert len(files) == 1
+    t = json.loads(files[0].read_text())
+    t["k"] = [[9.0] * len(t["types"])] * 3   # a changed cached table changes the next plan: it is used
+    files[0].write_text(json.dumps(t))
+    m2 = pykv.load(tiny_path, n_ctx=64, kv_bits=6.0, kv_calib=str(calib), q8_act=False)
+    assert m2.kv_plan["kl_estimate"] != plan["kl_estimate"]
+
+
+def test_cli_kv_sensitivity_estimate(tiny_path, tmp_path, capsys, monkeypatch):
+    """The estimate's reference column (the cheapest type) is the measured one-layer KL; every other
+    column is it times the all-layers ratio; --exact measures each entry."""
+    monkeypatch.setenv("PYKV_CACHE", str(tmp_path / "cache"))
+    text = tmp_path / "t.txt"
+    text.write_text("the theory of the thing, then the other, " * 8)
+    assert main(["kv-sensitivity", tiny_path, str(text), "-c", "48", "--types", "q8_0,nl2", "--json"]) == 0
+    est = json.loads(capsys.readouterr().out)
+    assert est["method"] == "estimate" and est["ref"] == "nl2" and len(est["k"]) == 3
+    assert main(["kv-sensitivity", tiny_path, str(text), "-c", "48", "--types", "q8_0,nl2", "--json",
+                 "--exact"]) == 0
+    ex = json.loads(capsys.readouterr().out)
+    for s in ("k", "v"):
+        e, x = np.array(est[s]), np.array(ex[s])
+        np.testing.assert_allclose(e[:, 1], x[:, 1], rtol=1e-5, atol=1e-12)
+        u = est["uniform"][s]
+        np.testing.assert_allclose(e[:, 0], e[:, 1] * u[0] / u[1], rtol=1e-9)
+        assert (x[:, 0] < x[:, 1]).all()     # q8_0 costs less KL than nl2 in every layer
+
+
+def test_kv_bits_with_explicit_types_is_refused(tiny_path):
+    with pytest.raises(pykv.PykvError, match="drop -ctk / -ctv"):
+        pykv.load(tiny_path, n_ctx=64, kv_bits=4.5, kv_type_k="q4_0")

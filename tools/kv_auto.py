@@ -1,0 +1,141 @@
+"""The automatic KV plan against uniform types, on the reference text at ctx 1024, calibrated on the
+built-in text (or --calib): ppl increase and KL vs the f16 cache per bits per value (everything stored
+counted: pool rows, scales, f16 sink rows and KIVI windows amortised over the context), with llama.cpp's
+uniform types from ../shared/reference. Writes JSON for tools/kv_plot.py and prints the README table.
+
+    python tools/kv_auto.py [--model PATH] [--bits 4.5,3,2.5] [--types ...] [--json-out kv_auto.json]
+                            [--additivity]   # also the plans' measured KL on the calibration text
+"""
+import argparse
+import json
+import os
+import sys
+
+import numpy as np
+
+import pykv
+from pykv import kv_plan as KP
+from pykv.evaluate import log_softmax
+
+UNIFORM = "q8_0,q5_1,q5_0,q4_1,q4_0,iq4_nl,nl4,int4,nl3,int2,nl2"
+
+
+def score(lp, lb, ids):
+    n = len(ids) - 1
+    return {"ppl": float(np.exp(-lp[np.arange(n), ids[1:]].mean())),
+            "kl": float((np.exp(lb) * (lb - lp)).sum(1).mean()),
+            "top1": float((lb.argmax(1) == lp.argmax(1)).mean())}
+
+
+def llamacpp_points(ref_dir):
+    path = os.path.join(ref_dir, "llamacpp-dev.npz")
+    if not os.path.exists(path):
+        return []
+    d = np.load(path)
+    f16 = float(np.exp(-d["text_logprob_f16"].mean()))
+    bits = {"f16": 16.0, "q8_0": 8.5, "q4_0": 4.5, "q4_1": 5.0, "q5_0": 5.5, "iq4_nl": 4.5}
+    return [{"kv_type": t, "bits": bits[t], "ppl": float(np.exp(-d[f"text_logprob_{t}"].mean())),
+             "delta": float(np.exp(-d[f"text_logprob_{t}"].mean())) / f16 - 1}
+            for t in bits if f"text_logprob_{t}" in d.files]
+
+
+def spearman(a, b):
+    ra, rb = np.argsort(np.argsort(a)), np.argsort(np.argsort(b))
+    return float(np.corrcoef(ra, rb)[0, 1])
+
+
+def check_estimate(path, ids, table, layers):
+    """Exact probes of a few layers against the estimated table: the rank correlation over types
+    within each (layer, side), and over every measured (layer, side, type) entry."""
+    cm = pykv.load(path, n_ctx=max(len(ids), 32), q8_act=False)
+    pr = KP._Prober(cm, ids)
+    L, types = cm.config.n_layers, table["types"]
+    est, exact, per = [], [], []
+    for l in (int(x) for x in layers.split(",")):
+        for s in ("k", "v"):
+            ex = []
+            for t in types:
+                kt, vt = (KP._one(L, l, t), "f16") if s == "k" else ("f16", KP._one(L, l, t))
+                ex.append(pr.kl(kt, vt, l0=l))
+            per.append({"layer": l, "side": s, "exact": ex, "estimate": table[s][l],
+                        "spearman": spearman(ex, table[s][l])})
+            print(json.dumps(per[-1]), file=sys.stderr, flush=True)
+            est += table[s][l]
+            exact += ex
+    return {"types": types, "rows": per, "spearman_all": spearman(exact, est),
+            "median_ratio": float(np.median(np.array(est) / np.maximum(exact, 1e-12)))}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--text", default="tests/data/eval-gpl3.txt")
+    ap.add_argument("--ctx", type=int, default=1024)
+    ap.add_argument("--calib", default=None, help="calibration text (default: pykv's built-in)")
+    ap.add_argument("--bits", default="4.5,3,2.5")
+    ap.add_argument("--uniform", default=UNIFORM)
+    ap.add_argument("--types", default=",".join(KP.DEFAULT_TYPES), help="planner candidates")
+    ap.add_argument("--exact", action="store_true", help="exact sensitivity table (2 L T runs)")
+    ap.add_argument("--additivity", action="store_true",
+                    help="measure each plan's KL on the calibration text too (vs the summed table)")
+    ap.add_argument("--check-estimate", default=None, metavar="LAYERS",
+                    help="also measure these layers exactly (e.g. 0,9,19,29) and compare the estimate's ranking")
+    ap.add_argument("--ref", default="../shared/reference")
+    ap.add_argument("--json-out", default=None)
+    a = ap.parse_args()
+
+    m = pykv.load(a.model, n_ctx=a.ctx, q8_act=False)
+    cfg = m.config
+    ids = np.asarray(m.tokenize(open(a.text, encoding="utf-8").read())[:a.ctx])
+    lb = log_softmax(m.forward(ids)[:-1])
+    base = score(lb, lb, ids)
+    log = lambda r: print(json.dumps(r), file=sys.stderr, flush=True)   # noqa: E731
+    rows = []
+    for t in a.uniform.split(","):
+        m.set_kv_types(t, t)
+        r = {"kv_type": t, **score(log_softmax(m.forward(ids)[:-1]), lb, ids),
+             "bytes_per_token": KP.plan_bytes(cfg, [t] * cfg.n_layers, [t] * cfg.n_layers, a.ctx)}
+        r.update(bits=KP.bits_per_value(cfg, r["bytes_per_token"]), delta=r["ppl"] / base["ppl"] - 1)
+        rows.append(r)
+        log(r)
+    calib_ids = KP.calib_ids(m, a.calib)
+    table = KP.sensitivity(m.path, calib_ids, a.types.split(","), exact=a.exact)
+    plans = []
+    for bits in (float(b) for b in a.bits.split(",")):
+        plan = KP.solve(table, cfg, a.ctx, KP.bits_to_bytes(cfg, bits))
+        m.set_kv_types(plan["ctk"], plan["ctv"])
+        r = {"target_bits": bits, **score(log_softmax(m.forward(ids)[:-1]), lb, ids),
+             "bytes_per_token": plan["bytes_per_token"], "bits": plan["bits_per_value"],
+             "kl_estimate_calib": plan["kl_estimate"], "ctk": plan["ctk"], "ctv": plan["ctv"]}
+        r["delta"] = r["ppl"] / base["ppl"] - 1
+        dearer = [u for u in rows if u["bytes_per_token"] >= r["bytes_per_token"]]
+        r["uniform_same_or_more_bytes"] = [u["kv_type"] for u in dearer]
+        r["not_beaten_by_plan"] = [u["kv_type"] for u in dearer if u["kl"] <= r["kl"]]
+        plans.append(r)
+        log(r)
+    if a.additivity:
+        cm = pykv.load(m.path, n_ctx=max(len(calib_ids), 32), q8_act=False)
+        pr = KP._Prober(cm, calib_ids)
+        for r in plans:
+            r["kl_measured_calib"] = pr.kl(r["ctk"], r["ctv"])
+            log({"target_bits": r["target_bits"], "kl_estimate_calib": r["kl_estimate_calib"],
+                 "kl_measured_calib": r["kl_measured_calib"]})
+    check = check_estimate(m.path, calib_ids, table, a.check_estimate) if a.check_estimate else None
+    out = {"check_estimate": check, "ctx": a.ctx, "base_ppl": base["ppl"], "method": table["method"], "calib_tokens": len(calib_ids),
+           "uniform": rows, "plans": plans, "llamacpp": llamacpp_points(a.ref)}
+    if a.json_out:
+        with open(a.json_out, "w", encoding="utf-8") as f:
+            json.dump(out, f, indent=1)
+    print(f"f16-cache perplexity {base['ppl']:.4f} (ctx {a.ctx}, {len(ids) - 1} tokens)\n")
+    print("| KV cache | bits/value | bytes/token | ppl | Δ ppl | KL vs f16 | top-1 agree |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for r in sorted(rows + plans, key=lambda r: -r["bits"]):
+        name = r.get("kv_type") or f"**auto ≤ {r['target_bits']:g} bits**"
+        print(f"| {name} | {r['bits']:.3f} | {r['bytes_per_token']:,.1f} | {r['ppl']:.4f} | {100 * r['delta']:+.2f}% | "
+              f"{r['kl']:.5f} | {100 * r['top1']:.2f}% |")
+    for p in out["llamacpp"]:
+        print(f"| llama.cpp {p['kv_type']} | {p['bits']:.3f} | | {p['ppl']:.4f} | {100 * p['delta']:+.2f}% | | |")
+
+
+if __name__ == "__main__":
+    main()
