@@ -466,11 +466,12 @@ def test_smollm2_logits_and_q8_perplexity(smol_files):
     ref = R.gguf_forward(SMOL, ids[:n], np.float32)
     _, l1 = pykv_logits(f32, ids[:n])
     assert rel_err(l1, ref) < 1e-4
-    # 256 tokens is a noisy window for this model (measured: 2.3% apart here, 0.54% over 1023
-    # tokens); the 1% bound over the whole reference text is test_smollm2_q8_perplexity_full
+    # 256 tokens is a noisy window for this model (measured: 2.3% apart here with float activations,
+    # 3.5% with the AVX2 integer-dot tiles' q8 activations; 0.54% over 1023 tokens); the 1% bound over
+    # the whole reference text is test_smollm2_q8_perplexity_full
     _, lq = pykv_logits(q8, ids)
     p0, pq = R.perplexity(l0, ids), R.perplexity(lq, ids)
-    assert abs(pq / p0 - 1) < 0.03, (p0, pq)
+    assert abs(pq / p0 - 1) < 0.05, (p0, pq)
 
 
 @smol
