@@ -629,6 +629,19 @@ def _worker(conn, name: str, workdir: str) -> None:
         conn.send((status, detail, peak))
 
 
+def _start(p) -> None:
+    """Start a spawned process with one Numba thread (NUMBA_NUM_THREADS=1 unless set) while this
+    process's environment stays as it was: a test process that kept NUMBA_NUM_THREADS=1 could not
+    run its own 2-thread kernels afterwards (Numba re-reads it when it compiles)."""
+    old = os.environ.get("NUMBA_NUM_THREADS")
+    os.environ.setdefault("NUMBA_NUM_THREADS", "1")
+    try:
+        p.start()
+    finally:
+        if old is None:
+            os.environ.pop("NUMBA_NUM_THREADS", None)
+
+
 def _warm(name: str, workdir: str) -> None:
     TARGETS[name](Path(workdir)).warm(Path(workdir))
 
@@ -637,7 +650,7 @@ class _Proc:
     def __init__(self, ctx, name, workdir):
         self.conn, child = ctx.Pipe()
         self.p = ctx.Process(target=_worker, args=(child, name, workdir), daemon=True)
-        self.p.start()
+        _start(self.p)
         child.close()
         self.case = None
         self.deadline = time.monotonic() + START_TIMEOUT
@@ -661,7 +674,6 @@ def fuzz(name: str, n: int, seed: int = 0, jobs: int = 2, timeout: float = 60.0,
     """Run n cases of target `name`; returns the counts and the failures."""
     if name not in TARGETS:
         raise SystemExit(f"fuzz: unknown target {name!r} (known: {', '.join(TARGETS)})")
-    os.environ.setdefault("NUMBA_NUM_THREADS", "1")
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix=f"pykv-fuzz-{name}-") as wd:
         try:
@@ -673,7 +685,7 @@ def fuzz(name: str, n: int, seed: int = 0, jobs: int = 2, timeout: float = 60.0,
             if verbose:
                 print(f"fuzz {name}: warming up (Numba compiles on a cold cache)", file=sys.stderr, flush=True)
             w = ctx.Process(target=_warm, args=(name, wd))
-            w.start()
+            _start(w)
             w.join()
             if w.exitcode:
                 raise SystemExit(f"fuzz {name}: warm-up failed (exit {w.exitcode})")
