@@ -12,6 +12,41 @@ SIM = bool(config.ENABLE_CUDASIM)
 WL = 2 if SIM else 32
 
 
+def _sim_shared_lock():
+    """The simulator's cuda.shared.array looks an allocation up by call site and creates it on a miss
+    without a lock, so two threads of a block that reach the line together can get two different arrays
+    (a block-wide sum then misses a thread's part: seen as rare wrong rows in the tests). Serialize it."""
+    import sys
+    import threading
+    from numba.cuda.simulator import kernelapi
+    from numba.core import types
+    from numba.np import numpy_support
+    cls = kernelapi.FakeCUDAShared
+    if getattr(cls, "_pykv_locked", False):
+        return
+    lock = threading.Lock()
+    dynamic = cls.array
+
+    def array(self, shape, dtype):
+        if shape == 0:
+            return dynamic(self, shape, dtype)
+        if isinstance(dtype, types.Type):
+            dtype = numpy_support.as_dtype(dtype)
+        f = sys._getframe(1)
+        caller = (f.f_code.co_filename, f.f_lineno)     # the simulator's key: the calling line
+        with lock:
+            res = self._allocations.get(caller)
+            if res is None:
+                res = self._allocations[caller] = np.empty(shape, dtype)
+        return res
+    cls.array = array
+    cls._pykv_locked = True
+
+
+if SIM:
+    _sim_shared_lock()
+
+
 @cuda.jit(device=True, inline=True)
 def warp_sums(acc, sh, w, lane):
     """acc[i] <- its sum over the WL lanes of warp w, for every i (lane 0 holds the sums; all lanes on a

@@ -131,8 +131,7 @@ def _row_dot(kind, raw, fw, r, x, t0, nt, lane, acc):
 
 
 @cuda.jit(device=True, inline=True)
-def _finish(acc, sh, wi, lane, r, ok, nt, t0, out):
-    warp_sums(acc, sh, wi, lane)     # every lane of the block gets here
+def _store(acc, lane, r, ok, nt, t0, out):
     if lane == 0 and ok:
         for i in range(nt):
             out[t0 + i, r] = acc[i]
@@ -146,13 +145,14 @@ def _mm_kernel(kind, raw, fw, rows, x, T, out):
     r = cuda.blockIdx.x * NW + wi
     t0 = cuda.blockIdx.y * TT
     nt = min(TT, T - t0)
+    sh = cuda.shared.array(_SH, np.float32)
     acc = cuda.local.array(TT, np.float32)
     for i in range(TT):
         acc[i] = 0.0
     if r < rows:
         _row_dot(kind, raw, fw, r, x, t0, nt, lane, acc)
-    sh = cuda.shared.array(_SH, np.float32)
-    _finish(acc, sh, wi, lane, r, r < rows, nt, t0, out)
+    warp_sums(acc, sh, wi, lane)     # every thread of the block reaches the barriers in it
+    _store(acc, lane, r, r < rows, nt, t0, out)
 
 
 @cuda.jit
@@ -163,22 +163,20 @@ def _mm3_kernel(ka, ra, fa, na, oa, kb, rb, fb, nb, ob, kc, rc, fc, nc, oc, x, T
     r = cuda.blockIdx.x * NW + wi
     t0 = cuda.blockIdx.y * TT
     nt = min(TT, T - t0)
+    sh = cuda.shared.array(_SH, np.float32)
     acc = cuda.local.array(TT, np.float32)
     for i in range(TT):
         acc[i] = 0.0
-    sh = cuda.shared.array(_SH, np.float32)
     if r < na:
         _row_dot(ka, ra, fa, r, x, t0, nt, lane, acc)
-        _finish(acc, sh, wi, lane, r, True, nt, t0, oa)
     elif r < na + nb:
         _row_dot(kb, rb, fb, r - na, x, t0, nt, lane, acc)
-        _finish(acc, sh, wi, lane, r - na, True, nt, t0, ob)
-    else:
-        ok = r < na + nb + nc
-        rr = r - na - nb if ok else 0
-        if ok:
-            _row_dot(kc, rc, fc, rr, x, t0, nt, lane, acc)
-        _finish(acc, sh, wi, lane, rr, ok, nt, t0, oc)
+    elif r < na + nb + nc:
+        _row_dot(kc, rc, fc, r - na - nb, x, t0, nt, lane, acc)
+    warp_sums(acc, sh, wi, lane)     # outside the branches: a block can straddle two weights
+    _store(acc, lane, r, r < na, nt, t0, oa)
+    _store(acc, lane, r - na, na <= r and r < na + nb, nt, t0, ob)
+    _store(acc, lane, r - na - nb, na + nb <= r and r < na + nb + nc, nt, t0, oc)
 
 
 @cuda.jit
