@@ -20,6 +20,8 @@ def _model_args(p: argparse.ArgumentParser, with_prompt: bool = False) -> None:
     p.add_argument("-ctv", "--cache-type-v", default="f16", help=KV_HELP + " (comma list = per layer)")
     p.add_argument("--kv-rotate", choices=["on", "off", "auto"], default="auto",
                    help="Hadamard rotation of K/V before quantization (auto: on for quantized types)")
+    p.add_argument("--kv-prerope", choices=["on", "off", "auto"], default="auto",
+                   help="store block-quantized keys before RoPE, roped inside attention (auto: on on the CPU)")
     p.add_argument("--kv-budget", default=None, help="cap the KV pool, e.g. 64MiB")
     p.add_argument("--kv-bits", type=float, default=None,
                    help="pick per-layer K/V types minimising measured KL at this many bits per stored value")
@@ -75,7 +77,8 @@ def load_from_args(args, model_path, **kw):
     budget = parse_bytes(args.kv_budget) if args.kv_budget else None
     return load_planned(model_path, n_ctx=args.ctx_size, kv_type_k=_kv_types(args.cache_type_k),
                         kv_type_v=_kv_types(args.cache_type_v), threads=args.threads, kv_rotate=rot,
-                        kv_budget=budget, device=args.device, kv_bits=args.kv_bits, kv_plan=args.kv_plan,
+                        kv_prerope={"on": True, "off": False, "auto": None}[args.kv_prerope], kv_budget=budget,
+                        device=args.device, kv_bits=args.kv_bits, kv_plan=args.kv_plan,
                         kv_calib=args.kv_calib, kv_plan_out=args.kv_plan_out, verbose=True, **kw)
 
 

@@ -23,7 +23,9 @@ from .formats import KV_FORMATS, kivi_page_bytes, parse_kv_type, row_bytes
 from .kernels.backend import get_backend
 
 F16 = KV_FORMATS["f16"]
-SMOOTH_ALPHA = 0.5   # key channels divided by (std)^alpha, queries multiplied by it (see smooth_stats)
+SMOOTH_MODE = "qk"   # key channel scale: "qk" (E[k^2]/E[q^2])^(1/4), "std" std(k)^SMOOTH_ALPHA (see smooth_stats)
+SMOOTH_ALPHA = 0.5
+SMOOTH_QK_POW = 0.2  # "qk": measured below the white-noise optimum 1/4 (KL proxy: 0.024 vs 0.026 nl3 keys)
 N_SINK = 4           # first tokens of a sequence also kept as exact f16 rows for quantized KV types
 CHUNKS_PER_THREAD = 4   # decode attention chunks per thread (8 and 16 measured no faster)
 KIVI_WINDOW = 3      # KIVI: full pages kept in f16 behind the newest one (KIVI's recent-token window)
@@ -88,7 +90,8 @@ def _fmt_list(types, n_layers, what):
 class KVCache:
     F16_CODE = F16.code          # format of the residual rows
     def __init__(self, cfg: Config, n_ctx: int, k_types="f16", v_types="f16", page_tokens: int = 32,
-                 max_seqs: int = 1, kv_budget: int | None = None, k_smooth: bool = True, backend=None):
+                 max_seqs: int = 1, kv_budget: int | None = None, k_smooth: bool = True, k_prerope=False,
+                 backend=None):
         self.cfg, self.n_ctx, self.P = cfg, int(n_ctx), int(page_tokens)
         self.be = be = backend if backend is not None else get_backend("cpu")
         HD, KVH = cfg.head_dim, cfg.n_kv_heads
@@ -114,6 +117,12 @@ class KVCache:
             n_pages = max_seqs * self.max_pages_per_seq
         self.n_pages = n_pages
         self.k_smooth = [bool(k_smooth) and f.kind in ("ggml", "fp8", "nl") for f in k_fmts]
+        if k_prerope and be.name != "cpu":
+            raise PykvError(f"pre-RoPE keys run on the CPU only for now (device {be.name})")
+        if k_prerope is None:     # auto (the model's default): on where it runs (measured lower KL, README)
+            k_prerope = be.name == "cpu"
+        self.k_pre = [bool(k_prerope) and sm for sm in self.k_smooth]   # keys stored before RoPE
+        self.k_rope = None        # (cos, sin, Hadamard signs or None): set_k_transform
         self.layers = [LayerKV(kf, vf, be.zeros((KVH, n_pages, pk), np.uint8),
                                be.zeros((KVH, n_pages, pv), np.uint8))
                        for kf, vf, (pk, pv) in zip(k_fmts, v_fmts, self.page_bytes)]
@@ -123,6 +132,22 @@ class KVCache:
         self._dummy_res = be.zeros((KVH, self.ring, 2 * HD), np.uint8)
         self._dummy_sink = be.zeros((KVH, N_SINK, 2 * HD), np.uint8)
         self._tmp = be.zeros((KVH, self.P, HD), np.float32)
+
+    def set_k_transform(self, cos, sin, sign) -> None:
+        """The model's RoPE tables (n_ctx, n_rot/2) and Hadamard signs (HD,) (None: no rotation), which
+        attention needs to turn pre-RoPE keys (k_pre) back into roped keys."""
+        self.k_rope = (cos, sin, sign)
+
+    def _kx(self, seq: Sequence, li: int):
+        """attend's pre-RoPE key transform for layer li: (kx, cos, sin); kx has no rows when the
+        layer's keys are stored after RoPE (None on a device backend)."""
+        if not self.k_pre[li]:
+            if self.be.name != "cpu":
+                return None, None, None
+            return np.zeros((0, self.cfg.head_dim), np.float32), np.zeros((1, 1), np.float32), np.zeros((1, 1), np.float32)
+        cos, sin, sign = self.k_rope
+        rows = [seq.k_shift[li], seq.k_scale[li]] + ([sign[None]] if sign is not None else [])
+        return np.ascontiguousarray(np.concatenate(rows), np.float32), cos, sin
 
     def _page_bytes(self, fmt, is_key: bool) -> int:
         if fmt.kind == "kivi" and is_key:
@@ -322,24 +347,49 @@ class KVCache:
                 kq.write_residual(x[j - seq.n_tokens:seg - seq.n_tokens], res, j, self.ring, F16.code)
                 j = seg
 
-    def smooth_stats(self, li: int, seq: Sequence, k: np.ndarray) -> None:
-        """Fix layer li's key smoothing from the sequence's first batch of (roped) keys k (T, KVH, HD).
+    def smooth_stats(self, li: int, seq: Sequence, k: np.ndarray, q: np.ndarray | None = None) -> None:
+        """Fix layer li's key smoothing from the sequence's first batch of keys k (T, KVH, HD) and
+        queries q (T, H, HD): roped, or not yet roped where the layer stores pre-RoPE keys (k_pre; then
+        attention scales each key back before RoPE, so the smoothing stays exact for any s, and a
+        query's weight on a RoPE pair is the mean of the pair's E[q^2]).
         Removing a fixed vector mu from every key shifts all of a query's scores by the same q.mu, and
         dividing key channels by s while multiplying query channels by s keeps q.k: attention is
         unchanged in exact arithmetic, while the block quantizer no longer spends its range on the
         large per-channel bias and spread of LLaMA keys (ops.qkv_prep applies it; the attention-sink
-        token 0 is left out of the statistics).  With a device backend the batch's keys are copied to
-        the host once (one (T, KVH, HD) copy per layer, at a sequence's first batch only) and the two
-        (KVH, HD) results go back up: too little work for a kernel of its own."""
+        token 0 is left out of the statistics).  The scale is query-aware (SMOOTH_MODE "qk"): white
+        quantization noise on the smoothed (and rotated) key makes a score error of variance about
+        (sum_c E[k_c^2] / s_c^2) * (sum_c E[q_c^2] s_c^2), least at s_c = (E[k_c^2] / E[q_c^2])^(1/4)
+        (k centred; q over the KV group's query heads); "std": s_c = std(k_c)^SMOOTH_ALPHA, blind to q.
+        With a device backend the batch's keys and queries are copied to the host once (at a
+        sequence's first batch only) and the two (KVH, HD) results go back up: too little work for
+        a kernel of its own."""
         k = self.be.to_host(k)
         ks = k[1:] if k.shape[0] > 1 else k
         mu = ks.mean(axis=0)
         seq.k_shift[li] = mu
-        if SMOOTH_ALPHA > 0 and ks.shape[0] > 1:
-            sd = np.sqrt(((ks - mu) ** 2).mean(axis=0))           # (KVH, HD)
+        if ks.shape[0] < 2:
+            return
+        ek = ((ks - mu) ** 2).mean(axis=0)                        # (KVH, HD)
+        if SMOOTH_MODE == "qk" and q is not None:
+            q = self.be.to_host(q)
+            qs = q[1:] if q.shape[0] > 1 else q
+            T, H, HD = qs.shape
+            eq = (qs.reshape(T, ek.shape[0], H // ek.shape[0], HD) ** 2).mean(axis=(0, 2))   # (KVH, HD)
+            if self.k_pre[li]:
+                n_rot = self.cfg.rope_dims
+                pm = 0.5 * (eq[:, 0:n_rot:2] + eq[:, 1:n_rot:2])
+                eq[:, 0:n_rot:2] = pm
+                eq[:, 1:n_rot:2] = pm
+            eq = np.maximum(eq, 1e-4 * eq.max(axis=1, keepdims=True) + 1e-20)
+            ek = np.maximum(ek, 1e-4 * ek.max(axis=1, keepdims=True) + 1e-20)
+            sc = (ek / eq) ** SMOOTH_QK_POW
+        elif SMOOTH_ALPHA > 0:
+            sd = np.sqrt(ek)
             sd = np.maximum(sd, 1e-2 * sd.max(axis=1, keepdims=True) + 1e-12)
             sc = sd ** SMOOTH_ALPHA
-            seq.k_scale[li] = (sc / np.exp(np.log(sc).mean(axis=1, keepdims=True))).astype(np.float32)
+        else:
+            return
+        seq.k_scale[li] = (sc / np.exp(np.log(sc).mean(axis=1, keepdims=True))).astype(np.float32)
 
     def n_quantized(self, fmt, n_tokens: int) -> int:
         """Tokens read from the pool (the rest come from the f16 residual: KIVI's newest page)."""
@@ -375,7 +425,7 @@ class KVCache:
                 self.sink(seq, li, "k"), self.sink(seq, li, "v"), seq.pt_dev, n_past,
                 self.n_sink(l.k_fmt, n_tot), self.n_sink(l.v_fmt, n_tot),
                 self.n_quantized(l.k_fmt, n_tot), self.n_quantized(l.v_fmt, n_tot), self.P,
-                l.k_fmt.code, l.k_bits, l.v_fmt.code, self.F16_CODE, chunk, part, out)
+                l.k_fmt.code, l.k_bits, l.v_fmt.code, self.F16_CODE, chunk, part, out, *self._kx(seq, li))
 
     def attend_batch(self, li: int, seqs, q, chunk: int, part, out) -> None:
         """One decode query per sequence (their newest token, already appended): q (S, H, HD) -> out
@@ -384,6 +434,8 @@ class KVCache:
         page tables are stacked into (S, ...) arrays here, a staging copy per call (fine for the
         bandwidth benchmark; batched serving will keep them in per-slot pools instead)."""
         l, be = self.layers[li], self.be
+        if self.k_pre[li]:
+            raise PykvError("batched decode does not support pre-RoPE keys yet (load with kv_prerope=False)")
         meta = np.array([(s.n_tokens, self.n_sink(l.k_fmt, s.n_tokens), self.n_sink(l.v_fmt, s.n_tokens),
                           self.n_quantized(l.k_fmt, s.n_tokens), self.n_quantized(l.v_fmt, s.n_tokens))
                          for s in seqs], np.int32)

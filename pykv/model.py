@@ -115,7 +115,7 @@ class RunState:
 class Model:
     def __init__(self, path=None, *, n_ctx: int = 2048, kv_type_k="f16", kv_type_v="f16", threads=None,
                  kv_rotate=None, page_tokens: int = 32, n_batch: int = 256, kv_budget=None, kv_smooth=True,
-                 q8_act: bool = True, max_seqs: int = 1, device: str = "cpu"):
+                 kv_prerope=None, q8_act: bool = True, max_seqs: int = 1, device: str = "cpu"):
         """q8_act: activations quantized to 8-bit blocks for integer-dot weight kernels (llama.cpp's
         scheme; the fast path where the CPU has AVX-512 VNNI). False: float activations, slower but
         free of q8 rounding flips, which make two runs whose inputs differ by float rounding drift
@@ -149,7 +149,7 @@ class Model:
         self.weights = Weights.load(self.gguf, cfg, self.q8_act, self.be)
         self.tokenizer = Tokenizer.from_metadata(self.gguf.metadata)
         self._kv_opts = {"page_tokens": page_tokens, "kv_budget": kv_budget, "k_smooth": kv_smooth,
-                         "max_seqs": max_seqs}
+                         "k_prerope": kv_prerope, "max_seqs": max_seqs}
         self.n_batch = int(n_batch)
         self.max_chunks = 8 * self.be.max_workers + 2
         self.state = RunState(cfg, self.n_batch, self.max_chunks, self.be)
@@ -157,10 +157,10 @@ class Model:
                                          self.weights.rope_freqs, cfg.yarn_ext_factor, cfg.yarn_attn_mul,
                                          cfg.yarn_beta_fast, cfg.yarn_beta_slow, cfg.rope_orig_ctx)
         self.cos, self.sin = self.be.to_device(cos), self.be.to_device(sin)
-        self.set_kv_types(kv_type_k, kv_type_v, kv_rotate)
         self.q_mul = np.float32(1.0 / np.sqrt(cfg.head_dim))
         self.rot_sign = self.be.to_device(np.random.default_rng(ROTATE_SEED).choice(
             np.array([-1.0, 1.0], np.float32), cfg.head_dim).astype(np.float32))
+        self.set_kv_types(kv_type_k, kv_type_v, kv_rotate)
         self.last_stats: dict = {}
 
     def set_kv_types(self, kv_type_k="f16", kv_type_v="f16", kv_rotate=None) -> None:
@@ -168,6 +168,7 @@ class Model:
         rotation default; the weights stay loaded. The old cache's sequence is dropped."""
         self.cache = KVCache(self.config, self.n_ctx, kv_type_k, kv_type_v, backend=self.be, **self._kv_opts)
         self.rotate = self._rotate_default(kv_rotate)
+        self.cache.set_k_transform(self.cos, self.sin, self.rot_sign if self.rotate else None)
         self.seq: Sequence | None = None
 
     def _rotate_default(self, flag) -> bool:
@@ -209,13 +210,22 @@ class Model:
         q3, k3, v3 = q.reshape(T, H, HD), k.reshape(T, KVH, HD), v.reshape(T, KVH, HD)
         n_past = seq.n_tokens
         smooth = cache.k_smooth[li]
-        do_rope = not (smooth and n_past == 0)
-        if not do_rope:          # a sequence's first batch fixes the key smoothing from its roped keys
-            ops.rope(q3, n_past, self.cos, self.sin, cfg.rope_dims)
-            ops.rope(k3, n_past, self.cos, self.sin, cfg.rope_dims)
-            cache.smooth_stats(li, seq, k3)
-        ops.qkv_prep(q3, k3, v3, n_past, self.cos, self.sin, cfg.rope_dims, do_rope, seq.k_shift[li],
-                     seq.k_scale[li], smooth, self.rot_sign, self.rotate, self.q_mul)
+        if cache.k_pre[li]:      # keys stored before RoPE (attention ropes them): plain roped queries
+            if n_past == 0:
+                cache.smooth_stats(li, seq, k3, q3)
+            qr = q3.copy()
+            ops.qkv_prep(q3, k3, v3, n_past, self.cos, self.sin, cfg.rope_dims, False, seq.k_shift[li],
+                         seq.k_scale[li], True, self.rot_sign, self.rotate, self.q_mul)
+            ops.rope(qr, n_past, self.cos, self.sin, cfg.rope_dims)
+            np.multiply(qr, self.q_mul, out=q3)
+        else:
+            do_rope = not (smooth and n_past == 0)
+            if not do_rope:          # a sequence's first batch fixes the key smoothing from its roped keys
+                ops.rope(q3, n_past, self.cos, self.sin, cfg.rope_dims)
+                ops.rope(k3, n_past, self.cos, self.sin, cfg.rope_dims)
+                cache.smooth_stats(li, seq, k3, q3)
+            ops.qkv_prep(q3, k3, v3, n_past, self.cos, self.sin, cfg.rope_dims, do_rope, seq.k_shift[li],
+                         seq.k_scale[li], smooth, self.rot_sign, self.rotate, self.q_mul)
         cache.append(li, seq, k3, v3)
         n_tot = n_past + T
         chunk = cache.chunk_for(n_tot, T, self.be.workers())

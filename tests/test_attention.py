@@ -203,3 +203,45 @@ def test_bytes_per_token_smollm2(fmt, expected):
     cache = KVCache(cfg, 64, fmt, fmt, page_tokens=32)
     assert cache.bytes_per_token() == expected
     assert cache.nbytes() / cache.capacity_tokens() == expected
+
+
+@pytest.mark.parametrize("fmt,rotate", [("q4_0", True), ("nl3", True), ("q8_0", False)])
+def test_attention_prerope_keys(fmt, rotate):
+    """Pre-RoPE keys (kv_cache k_pre): the stored rows are R((k - shift) / scale) of unroped keys;
+    attention maps each decoded row back (inverse Hadamard, * scale + shift) and ropes it at its
+    position.  Against the reference over exactly those keys, sink rows included (they hold the same
+    transform)."""
+    from pykv.kernels.ops import rope_tables
+    rng = np.random.default_rng(11)
+    cfg = make_cfg(6, 2)
+    KVH, HD, P = 2, cfg.head_dim, 16
+    cache = KVCache(cfg, 128, fmt, fmt, page_tokens=P, max_seqs=2, k_prerope=True)
+    cos, sin = rope_tables(128, HD, 10000.0)
+    sign = rng.choice(np.array([-1.0, 1.0], np.float32), HD) if rotate else None
+    cache.set_k_transform(cos, sin, sign)
+    rng.shuffle(cache.free_pages)
+    seq = cache.new_sequence()
+    seq.k_shift[0] = rng.standard_normal((KVH, HD))
+    seq.k_scale[0] = rng.uniform(0.5, 2.0, (KVH, HD))
+    H = np.array([[1.0]])
+    while H.shape[0] < HD:
+        H = np.block([[H, H], [H, -H]])
+    R = H / np.sqrt(HD) * sign[None, :] if rotate else np.eye(HD)   # stored row @ R = the smoothed key
+
+    def keys_back(ks):   # stored (n, KVH, HD) -> the roped keys attention must see
+        k = (ks @ R) * seq.k_scale[0] + seq.k_shift[0]
+        c, s = cos[:len(k), None, :], sin[:len(k), None, :]
+        out = k.copy()
+        out[..., 0::2] = k[..., 0::2] * c - k[..., 1::2] * s
+        out[..., 1::2] = k[..., 0::2] * s + k[..., 1::2] * c
+        return out
+    for n_new, T in ((37, 37), (1, 1), (30, 5), (1, 1)):
+        push(cache, seq, n_new, rng)
+        ks, v = dequant_cache(cache, seq)
+        k = keys_back(ks)
+        q = (rng.standard_normal((T, 6, HD)) * 2.0 / math.sqrt(HD)).astype(np.float32)
+        ref = ref_attention(q.astype(np.float64) * math.sqrt(HD), k, v, n_past=seq.n_tokens - T)
+        for chunk in (16, 1024):
+            out = run_attend(cache, seq, q, chunk)
+            err = (np.abs(out - ref) / np.abs(ref).max(axis=2, keepdims=True)).max()
+            assert err <= RTOL, (fmt, seq.n_tokens, T, chunk, err)

@@ -52,6 +52,32 @@ def test_rotation_and_smoothing_leave_attention_unchanged(tiny_path):
     assert np.abs(m.seq.k_shift).max() > 0 and np.abs(m.seq.k_scale - 1).max() > 0
 
 
+def test_prerope_keys_leave_attention_unchanged(tiny_path):
+    """Pre-RoPE keys with query-aware smoothing and rotation are exact in real arithmetic: an f32
+    cache forced through that path (keys smoothed and stored before RoPE, roped back inside
+    attention) gives the plain f32 cache's logits up to float rounding."""
+    base = pykv.load(tiny_path, n_ctx=64, kv_type_k="f32", kv_type_v="f32", kv_rotate=False).forward(IDS)
+    m = pykv.load(tiny_path, n_ctx=64, kv_type_k="f32", kv_type_v="f32", kv_rotate=True, n_batch=16)
+    m.cache.k_smooth = m.cache.k_pre = [True] * len(m.cache.layers)
+    assert rel(m.forward(IDS), base) < 1e-5
+    assert np.abs(m.seq.k_shift).max() > 0 and np.abs(m.seq.k_scale - 1).max() > 0
+
+
+@pytest.mark.parametrize("kv", ["q4_0", "nl3"])
+def test_prerope_decode_steps_equal_prefill(tiny_path, kv):
+    """With pre-RoPE keys (the CPU default for block types), token-by-token decode after a first
+    batch of 8 reads the same cache as a prefill in batches of 8 (same smoothing statistics)."""
+    m = pykv.load(tiny_path, n_ctx=64, kv_type_k=kv, kv_type_v=kv, page_tokens=8, n_batch=8)
+    assert all(m.cache.k_pre)
+    full = m.forward(IDS)
+    seq = m.new_sequence()
+    steps = np.concatenate([m.eval(seq, IDS[:8], all_logits=True)] + [m.eval(seq, [i]) for i in IDS[8:]])
+    assert rel(steps, full) < 1e-4
+    off = pykv.load(tiny_path, n_ctx=64, kv_type_k=kv, kv_type_v=kv, page_tokens=8, n_batch=8, kv_prerope=False)
+    assert not any(off.cache.k_pre)
+    assert rel(off.forward(IDS), full) > 1e-4     # really a different path
+
+
 @pytest.mark.parametrize("kv", ["q4_0", "int4", "int2", "fp8_e4m3", "iq4_nl"])
 def test_decode_steps_equal_prefill(tiny_path, kv):
     """Token-by-token decode and batched prefill read the same quantized cache, KIVI's f16 newest

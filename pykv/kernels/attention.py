@@ -27,6 +27,11 @@ Pools (one per layer, K and V):  uint8[KVH, n_pages, P * row_bytes]  (token-majo
     KIVI keys instead hold one per-channel-quantized page per (g, page): uint8[KVH, n_pages, page_bytes]
 Residual (KIVI types only): uint8[KVH, P, 2 * HD] f16 rows of the sequence's newest, not yet full page.
 
+Pre-RoPE keys (kx non-empty, kv_cache's k_pre): the stored keys are (k - shift) / scale of the key BEFORE
+RoPE, Hadamard-rotated; each decoded K tile is mapped back (inverse rotation, * scale + shift) and roped
+at its positions before the scores, so the queries are plain roped queries (KVQuant's pre-RoPE keys:
+the per-channel statistics of unroped keys are stable, those of roped keys are smeared by position).
+
 Numba's on-disk cache keys this module on ITS source text only: deq_rows is inlined from blocks.py, so a
 new format there needs a change here (or a cleared __pycache__) before cached builds pick it up.
 """
@@ -34,6 +39,7 @@ import numpy as np
 from numba import njit, prange
 
 from .blocks import deq_kivi_k_rows, deq_rows
+from .ops import _fwht_vec, _rope_vec
 from .simd import bits_f32, prefetch
 
 TILE = 32          # keys per segment (the f32 K and V tiles: TILE x HD floats each)
@@ -190,9 +196,10 @@ def _accum(px, vt, n, ax):
 
 @njit(cache=True, nogil=True, fastmath=_FM)
 def _item(q, kpool, vpool, kres, vres, ksink, vsink, page_table, n_past, ns_k, ns_v, nq_k, nq_v, P,
-          kcode, kbits, vcode, rcode, g, t0, t1, j0, j1, part, c):
+          kcode, kbits, vcode, rcode, g, t0, t1, j0, j1, part, c, kx, cos, sin):
     """Keys [j0, j1) (already clipped to the causal end of query t1 - 1) for query tokens [t0, t1) and
-    the G heads of KV head g; (m, l, acc) per query row -> part[t, g, c, gi]."""
+    the G heads of KV head g; (m, l, acc) per query row -> part[t, g, c, gi].  kx (see attend): the
+    pre-RoPE key transform, or no rows."""
     H, HD = q.shape[1], q.shape[2]
     KVH = kpool.shape[0]
     G = H // KVH
@@ -256,6 +263,14 @@ def _item(q, kpool, vpool, kres, vres, ksink, vsink, page_table, n_past, ns_k, n
             deq_kivi_k_rows(kbits, kpool[g, page], sp, n, kt, dk, mk)
         else:
             deq_rows(kcode, kpool[g, page], sp * rbk, rbk, n, kt)
+        if kx.shape[0] > 0:                          # pre-RoPE keys: back to roped keys
+            for r in range(n):
+                kv = kt[r]
+                if kx.shape[0] > 2 * KVH:
+                    _fwht_vec(kv, kx[2 * KVH], True)
+                for i in range(HD):
+                    kv[i] = kv[i] * kx[KVH + g, i] + kx[g, i]
+                _rope_vec(kv, j + r, cos, sin, 2 * cos.shape[1])
         # ---- scores (three query rows per pass over the K tile where all three see the whole
         # tile: every decode row), then online softmax per query row
         x3 = 0
@@ -309,7 +324,7 @@ def _item(q, kpool, vpool, kres, vres, ksink, vsink, page_table, n_past, ns_k, n
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=_FM)
 def attend(q, kpool, vpool, kres, vres, ksink, vsink, page_table, n_past, ns_k, ns_v, nq_k, nq_v, P,
-           kcode, kbits, vcode, rcode, chunk, part, out):
+           kcode, kbits, vcode, rcode, chunk, part, out, kx, cos, sin):
     """q (T, H, HD) f32, already scaled by 1/sqrt(HD); out (T, H, HD) f32.
     Query t attends to keys 0 .. n_past + t (causal). Keys j < ns_k (values j < ns_v) are the
     sequence's attention-sink tokens, read from their f16 copies ksink/vsink (KVH, NS, 2*HD);
@@ -317,7 +332,10 @@ def attend(q, kpool, vpool, kres, vres, ksink, vsink, page_table, n_past, ns_k, 
     from the f16 residual rows kres/vres (KVH, RING, 2*HD), a ring of whole pages (token j in row
     j % RING).
     part: f32 scratch (T, KVH, C, G, HD + 2) with C >= ceil((n_past + T) / chunk).
-    Any chunk >= 1 works; multiples of P (and of TILE) split the fewest segments."""
+    Any chunk >= 1 works; multiples of P (and of TILE) split the fewest segments.
+    kx f32 (0 or 2*KVH [+1], HD): no rows, or pre-RoPE keys: stored key = R((k - kx[g]) / kx[KVH + g])
+    with R the Hadamard rotation of signs kx[2*KVH] (that row absent: no rotation) of the unroped
+    key k; cos/sin (n_ctx, n_rot/2) the RoPE tables (unused without kx rows)."""
     T, H, HD = q.shape
     KVH = kpool.shape[0]
     G = H // KVH
@@ -337,7 +355,7 @@ def attend(q, kpool, vpool, kres, vres, ksink, vsink, page_table, n_past, ns_k, 
         j0 = c * chunk
         j1 = min(j0 + chunk, n_past + t1)
         _item(q, kpool, vpool, kres, vres, ksink, vsink, page_table, n_past, ns_k, ns_v, nq_k, nq_v, P,
-              kcode, kbits, vcode, rcode, g, t0, t1, j0, j1, part, c)
+              kcode, kbits, vcode, rcode, g, t0, t1, j0, j1, part, c, kx, cos, sin)
     if T * H <= 64:      # decode: a few heads, not worth a second parallel region (its launch)
         for th in range(T * H):
             _merge(part, C, G, th // H, th % H, out)
@@ -371,13 +389,21 @@ def _merge(part, C, G, t, h, out):
 
 
 def attend_batch(q, kpool, vpool, kres, vres, ksink, vsink, page_tables, meta, P, kcode, kbits, vcode, rcode,
-                 chunk, part, out):
+                 chunk, part, out, kx=None, cos=None, sin=None):
     """One decode query per sequence: q (S, H, HD) -> out (S, H, HD) over S sequences of one layer's
     pools.  Sequence s: kres/vres[s] (KVH, RING, 2*HD), ksink/vsink[s] (KVH, NS, 2*HD), page_tables[s]
     (max_pages,) int32, meta[s] = (n_tokens incl. the query's, ns_k, ns_v, nq_k, nq_v) (KVCache.attend's
     quantities); part (S, KVH, C, G, HD + 2), C >= ceil(max n_tokens / chunk).  The CPU runs attend
-    per sequence; the cuda twin runs all S in one launch (the bandwidth benchmark, batched decode)."""
+    per sequence; the cuda twin runs all S in one launch (the bandwidth benchmark, batched decode).
+    No pre-RoPE keys here (kx must be None or have no rows)."""
+    kx, cos, sin = _no_kx(q.shape[2], kx)
     for s in range(q.shape[0]):
         n, ns_k, ns_v, nq_k, nq_v = (int(v) for v in meta[s])
         attend(q[s:s + 1], kpool, vpool, kres[s], vres[s], ksink[s], vsink[s], page_tables[s], n - 1, ns_k,
-               ns_v, nq_k, nq_v, P, kcode, kbits, vcode, rcode, chunk, part[s:s + 1], out[s:s + 1])
+               ns_v, nq_k, nq_v, P, kcode, kbits, vcode, rcode, chunk, part[s:s + 1], out[s:s + 1], kx, cos, sin)
+
+
+def _no_kx(HD, kx):
+    if kx is not None and kx.shape[0] > 0:
+        raise ValueError("attend_batch: pre-RoPE keys are not supported")
+    return np.zeros((0, HD), np.float32), np.zeros((1, 1), np.float32), np.zeros((1, 1), np.float32)

@@ -270,10 +270,12 @@ def _check(HD, G):
 
 
 def attend(q, kpool, vpool, kres, vres, ksink, vsink, page_table, n_past, ns_k, ns_v, nq_k, nq_v, P,
-           kcode, kbits, vcode, rcode, chunk, part, out) -> None:
+           kcode, kbits, vcode, rcode, chunk, part, out, kx=None, cos=None, sin=None) -> None:
     """q (T, H, HD) f32, already scaled by 1/sqrt(HD); out (T, H, HD) f32; the CPU attend's arguments
-    and semantics (kernels.attention.attend).  part: f32 (T, KVH, C, G, HD + 2), C >= ceil((n_past + T)
-    / chunk)."""
+    and semantics (kernels.attention.attend), without pre-RoPE keys (kx: None).  part: f32 (T, KVH, C,
+    G, HD + 2), C >= ceil((n_past + T) / chunk)."""
+    if kx is not None:
+        raise PykvError("pre-RoPE keys run on the CPU only for now")
     T, H, HD = q.shape
     KVH = kpool.shape[0]
     G = H // KVH
@@ -287,8 +289,10 @@ def attend(q, kpool, vpool, kres, vres, ksink, vsink, page_table, n_past, ns_k, 
 
 
 def attend_batch(q, kpool, vpool, kres, vres, ksink, vsink, page_tables, meta, P, kcode, kbits, vcode,
-                 rcode, chunk, part, out) -> None:
+                 rcode, chunk, part, out, kx=None, cos=None, sin=None) -> None:
     """One decode query per sequence, S sequences in one launch (see the module docstring)."""
+    if kx is not None:
+        raise PykvError("pre-RoPE keys run on the CPU only for now")
     S, H, HD = q.shape
     KVH = kpool.shape[0]
     G = H // KVH
