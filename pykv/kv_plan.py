@@ -32,7 +32,7 @@ from .formats import KV_FORMATS, kv_bytes_per_token_head, parse_kv_type
 
 DEFAULT_TYPES = ("q8_0", "q5_1", "q5_0", "q4_1", "q4_0", "iq4_nl", "nl4", "nl3", "nl2")
 CALIB_TOKENS = 512
-PLAN_VERSION = 1
+PLAN_VERSION = 2   # 2: query-aware key smoothing, pre-RoPE keys (older tables measured other keys)
 _UNIT = 4          # knapsack cost unit: 1/4 byte per token
 
 
@@ -238,9 +238,11 @@ def sensitivity(model_path, ids, types=DEFAULT_TYPES, exact: bool = False, use_c
     """The sensitivity table for this model and calibration ids, from the cache when it was measured
     before (keyed by model fingerprint, ids, types and method)."""
     from .model import load
+    from . import kv_cache
     types = [parse_kv_type(t).name for t in types]
+    pre = None if model is None else model._kv_opts.get("k_prerope")   # None: the default (on, CPU)
     key = hashlib.sha256(json.dumps([PLAN_VERSION, fingerprint(model_path), list(map(int, ids)), types,
-                                     bool(exact)]).encode()).hexdigest()[:24]
+                                     bool(exact), kv_cache.SMOOTH_MODE, pre]).encode()).hexdigest()[:24]
     path = os.path.join(_cache_dir(), key + ".json")
     if use_cache and os.path.exists(path):
         try:
