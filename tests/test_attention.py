@@ -245,3 +245,28 @@ def test_attention_prerope_keys(fmt, rotate):
             out = run_attend(cache, seq, q, chunk)
             err = (np.abs(out - ref) / np.abs(ref).max(axis=2, keepdims=True)).max()
             assert err <= RTOL, (fmt, seq.n_tokens, T, chunk, err)
+
+
+@pytest.mark.parametrize("pre", [False, True])
+def test_query_aware_smoothing_scale(pre):
+    """smooth_stats (mode "qk"): key channel c is divided by s_c ~ (E[k_c^2] / E[q_c^2])^SMOOTH_QK_POW
+    over the first batch (token 0 left out, k centred, E[q^2] over the KV group's query heads, and for
+    pre-RoPE keys averaged over each RoPE pair), normalised to geometric mean 1 per KV head."""
+    from pykv import kv_cache
+    rng = np.random.default_rng(5)
+    cfg = make_cfg(6, 2)
+    cache = KVCache(cfg, 64, "q4_0", "q4_0", page_tokens=16, k_prerope=pre)
+    seq = cache.new_sequence()
+    T, KVH, HD = 40, 2, cfg.head_dim
+    k = (rng.standard_normal((T, KVH, HD)) * rng.uniform(0.2, 5.0, (1, KVH, HD)) + 3.0).astype(np.float32)
+    q = (rng.standard_normal((T, 6, HD)) * rng.uniform(0.2, 5.0, (1, 6, HD))).astype(np.float32)
+    cache.smooth_stats(0, seq, k, q)
+    ks, qs = k[1:].astype(np.float64), q[1:].astype(np.float64).reshape(T - 1, KVH, 3, HD)
+    ek = ks.var(axis=0)
+    eq = (qs ** 2).mean(axis=(0, 2))
+    if pre:
+        eq = np.repeat(0.5 * (eq[:, 0::2] + eq[:, 1::2]), 2, axis=1)
+    want = (ek / eq) ** kv_cache.SMOOTH_QK_POW
+    want /= np.exp(np.log(want).mean(axis=1, keepdims=True))
+    np.testing.assert_allclose(seq.k_scale[0], want, rtol=1e-4)
+    np.testing.assert_allclose(seq.k_shift[0], ks.mean(axis=0), rtol=1e-5, atol=1e-5)
