@@ -21,7 +21,8 @@ def _model_args(p: argparse.ArgumentParser, with_prompt: bool = False) -> None:
     p.add_argument("--kv-rotate", choices=["on", "off", "auto"], default="auto",
                    help="Hadamard rotation of K/V before quantization (auto: on for quantized types)")
     p.add_argument("--kv-prerope", choices=["on", "off", "auto"], default="auto",
-                   help="store block-quantized keys before RoPE, roped inside attention (auto: on on the CPU)")
+                   help="store block-quantized keys before RoPE, roped inside attention, with query-aware "
+                        "smoothing (CPU only; auto: off for now)")
     p.add_argument("--kv-budget", default=None, help="cap the KV pool, e.g. 64MiB")
     p.add_argument("--kv-bits", type=float, default=None,
                    help="pick per-layer K/V types minimising measured KL at this many bits per stored value")

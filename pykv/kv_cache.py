@@ -23,7 +23,8 @@ from .formats import KV_FORMATS, kivi_page_bytes, parse_kv_type, row_bytes
 from .kernels.backend import get_backend
 
 F16 = KV_FORMATS["f16"]
-SMOOTH_MODE = "qk"   # key channel scale: "qk" (E[k^2]/E[q^2])^(1/4), "std" std(k)^SMOOTH_ALPHA (see smooth_stats)
+SMOOTH_MODE = "std"  # post-RoPE key channel scale: "qk" (E[k^2]/E[q^2])^SMOOTH_QK_POW, "std" std(k)^SMOOTH_ALPHA;
+                     # pre-RoPE keys (k_pre) always use "qk" (see smooth_stats)
 SMOOTH_ALPHA = 0.5
 SMOOTH_QK_POW = 0.2  # "qk": measured below the white-noise optimum 1/4 (KL proxy: 0.024 vs 0.026 nl3 keys)
 N_SINK = 4           # first tokens of a sequence also kept as exact f16 rows for quantized KV types
@@ -119,8 +120,8 @@ class KVCache:
         self.k_smooth = [bool(k_smooth) and f.kind in ("ggml", "fp8", "nl") for f in k_fmts]
         if k_prerope and be.name != "cpu":
             raise PykvError(f"pre-RoPE keys run on the CPU only for now (device {be.name})")
-        if k_prerope is None:     # auto (the model's default): on where it runs (measured lower KL, README)
-            k_prerope = be.name == "cpu"
+        # opt-in for now: lower KL for every type, but q4_0's ppl change on the reference text rose
+        # (README "Query-aware smoothing and pre-RoPE keys"); None = off
         self.k_pre = [bool(k_prerope) and sm for sm in self.k_smooth]   # keys stored before RoPE
         self.k_rope = None        # (cos, sin, Hadamard signs or None): set_k_transform
         self.layers = [LayerKV(kf, vf, be.zeros((KVH, n_pages, pk), np.uint8),
@@ -370,7 +371,7 @@ class KVCache:
         if ks.shape[0] < 2:
             return
         ek = ((ks - mu) ** 2).mean(axis=0)                        # (KVH, HD)
-        if SMOOTH_MODE == "qk" and q is not None:
+        if (SMOOTH_MODE == "qk" or self.k_pre[li]) and q is not None:
             q = self.be.to_host(q)
             qs = q[1:] if q.shape[0] > 1 else q
             T, H, HD = qs.shape

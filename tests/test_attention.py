@@ -248,11 +248,12 @@ def test_attention_prerope_keys(fmt, rotate):
 
 
 @pytest.mark.parametrize("pre", [False, True])
-def test_query_aware_smoothing_scale(pre):
+def test_query_aware_smoothing_scale(pre, monkeypatch):
     """smooth_stats (mode "qk"): key channel c is divided by s_c ~ (E[k_c^2] / E[q_c^2])^SMOOTH_QK_POW
     over the first batch (token 0 left out, k centred, E[q^2] over the KV group's query heads, and for
     pre-RoPE keys averaged over each RoPE pair), normalised to geometric mean 1 per KV head."""
     from pykv import kv_cache
+    monkeypatch.setattr(kv_cache, "SMOOTH_MODE", "std" if pre else "qk")   # pre-RoPE keys: "qk" always
     rng = np.random.default_rng(5)
     cfg = make_cfg(6, 2)
     cache = KVCache(cfg, 64, "q4_0", "q4_0", page_tokens=16, k_prerope=pre)

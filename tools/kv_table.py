@@ -33,9 +33,9 @@ def main():
                     help="flip: each type with the opposite of its default rotation (to check the default)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--prerope", choices=["on", "off", "auto"], default="auto",
-                    help="keys stored before RoPE (auto: the model's default)")
+                    help="keys stored before RoPE with query-aware smoothing (auto: the model's default, off)")
     ap.add_argument("--smooth", choices=["qk", "std"], default=kv_cache.SMOOTH_MODE,
-                    help="key smoothing scale: query-aware (qk) or std(k)^0.5 (std)")
+                    help="post-RoPE key smoothing scale: query-aware (qk) or std(k)^0.5 (std)")
     ap.add_argument("--q8-act", action="store_true", help="8-bit activations, as `pykv run` (default: float)")
     a = ap.parse_args()
     kv_cache.SMOOTH_MODE = a.smooth
