@@ -202,7 +202,7 @@ def _arr(t, dt):
 
 
 def _tile_dot(fmt):
-    """Intrinsic (qt, sc, xq, xd, xs, nb, out): out[0:TILE_ROWS] = the tile's rows . x.
+    """Typer of the intrinsic (qt, sc, xq, xd, xs, nb, out): out[0:TILE_ROWS] = the tile's rows . x.
 
     Tile layout (TILE_ROWS = G*L rows, nb blocks of 32 columns), 4 columns of one row per 32-bit lane:
       Q4 (Q4_0 / Q4_1): qt uint8 [nb][4 groups jj][R rows][4 bytes]: byte c of group jj holds columns
@@ -284,12 +284,32 @@ def _tile_dot(fmt):
             return context.get_dummy_value()
         return types.void(qt, sc, xq, xd, xa, nb, out), codegen
     typer.__name__ = "dot_tile_" + fmt
+    return typer
+
+
+dot_tile_q4 = intrinsic(_tile_dot("q4"))
+dot_tile_q5 = intrinsic(_tile_dot("q5"))
+dot_tile_q8 = intrinsic(_tile_dot("q8"))
+
+
+def dot_tile_by(fmts):
+    """Intrinsic (kind, qt, sc, xq, xd, xs, nb, out): dot_tile_<fmts[kind]>(qt, ...), kind an integer
+    literal (numba.literally) chosen at typing time, so a kernel compiles only the formats it is called
+    with (a branch on a literal inside an inlined helper is not pruned; this is)."""
+    typers = {k: _tile_dot(f) for k, f in fmts.items()}
+
+    def typer(typingctx, kind, qt, sc, xq, xd, xa, nb, out):
+        if not isinstance(kind, types.IntegerLiteral) or kind.literal_value not in typers:
+            return None
+        r = typers[kind.literal_value](typingctx, qt, sc, xq, xd, xa, nb, out)
+        if r is None:
+            return None
+        inner, cg = r
+
+        def codegen(context, builder, sig, args):
+            return cg(context, builder, inner, args[1:])
+        return types.void(kind, qt, sc, xq, xd, xa, nb, out), codegen
     return intrinsic(typer)
-
-
-dot_tile_q4 = _tile_dot("q4")
-dot_tile_q5 = _tile_dot("q5")
-dot_tile_q8 = _tile_dot("q8")
 
 
 # ---- K-quant tiles.  Per super-block of 256 columns, a tile of R = KTILE_ROWS rows is KBYTES[type] * R
