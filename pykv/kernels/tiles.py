@@ -251,9 +251,9 @@ def _tile_dot(fmt):
                 sb = builder.mul(b, _c((2 if q4 else 1) * R))
                 ahead = -(-PF_BYTES // (stride * R))           # blocks ahead to prefetch (past the tile: the next one's)
                 for o in range(0, stride * R, 64):
-                    _prefetch(builder, qtp, builder.add(qb, _c(ahead * stride * R + o)))
+                    _prefetch(builder, qtp, builder.add(qb, _c(ahead * stride * R + o)), PF_LOCALITY)
                 _prefetch(builder, builder.bitcast(scp, I8.as_pointer()),
-                          builder.mul(builder.add(b, _c(ahead)), _c((2 if q4 else 1) * R * 2)))
+                          builder.mul(builder.add(b, _c(ahead)), _c((2 if q4 else 1) * R * 2)), PF_LOCALITY)
                 for k in range(G):
                     pairs = []
                     if fmt == "q5":
@@ -327,6 +327,7 @@ def dot_tile_by(fmts):
 #   Q6_K:      xd * d * (sum_h sc_h (q_h . x_h) - 32 sum_h sc_h xb_h)        (h: sub-blocks of 16)
 
 KBYTES = {"q4k": 148, "q5k": 180, "q6k": 210}
+PF_LOCALITY = 0    # weights are read once per token: non-temporal prefetches
 PF_BYTES = 4096   # bytes ahead a Q4 / Q5 / Q8 tile prefetches its weights
 KPF_AHEAD = 4      # super-blocks ahead a K tile prefetches (from DRAM the hardware prefetcher lags:
 #                    1 thread Q4_K 6.2 -> 9.1 GB/s, Q6_K 3.0 -> 4.3 measured here)
@@ -364,7 +365,7 @@ def _ktile_dot(fmt):
                 base = builder.mul(b, _c(SB * R))
                 xb0 = builder.mul(b, _c(256))
                 for o in range(0, SB * R, 64):   # the super-block KPF_AHEAD ahead (past the tile: the next one's)
-                    _prefetch(builder, qtp, builder.add(base, _c(KPF_AHEAD * SB * R + o)))
+                    _prefetch(builder, qtp, builder.add(base, _c(KPF_AHEAD * SB * R + o)), PF_LOCALITY)
                 isum = ir.Constant(vi, [0] * L)
                 msum = ir.Constant(vi, [0] * L)
                 for t in range(8):
