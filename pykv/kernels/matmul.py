@@ -760,7 +760,8 @@ def _repack_tiles(gt, raw, rows, cols, R, itile):
         else:  # Q4_0 / Q5_0: d * (q - z) = d * q + (-z d), and -z d is exact in f16 unless it overflows
             z = np.float16(-8.0 if gt == Q4_0 else -16.0)
             m = (np.ascontiguousarray(d).view(np.float16) * z).view(np.uint16)
-        sc = np.stack([d, m], axis=2)
+        # integer Q4_0 / Q5_0 tiles keep d only (the dot subtracts z * sum(x), kernels.tiles' Q40 / Q50)
+        sc = d[:, :, None, :] if itile and gt in (Q4_0, Q5_0) else np.stack([d, m], axis=2)
         if gt in (Q5_0, Q5_1):      # qh -> a fifth 4-byte group (kernels.tiles.dot_tile_q5's layout)
             qh = np.ascontiguousarray(blk[:, :, qo - 4:qo]).view(np.uint32)[..., 0]
             bits = ((qh[..., None] >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
@@ -784,12 +785,15 @@ _KIND_TILE_Q4 = 1    # row-interleaved Q4_0 / Q4_1
 _KIND_TILE_Q8 = 2    # row-interleaved Q8_0
 _KIND_ITILE_Q4 = 3   # integer-dot tiles (kernels.tiles), Q4_0 / Q4_1 (q8_0 activations)
 _KIND_ITILE_Q8 = 4   # integer-dot tiles, Q8_0
-_KIND_ITILE_Q5 = 6   # integer-dot tiles, Q5_0 / Q5_1
+_KIND_ITILE_Q5 = 6   # integer-dot tiles, Q5_1
+_KIND_ITILE_Q40 = 7  # integer-dot tiles, Q4_0 (d only: llama.cpp's sum(q x) - 8 sum(x))
+_KIND_ITILE_Q50 = 8  # integer-dot tiles, Q5_0 (d only)
 _KIND_KTILE = 5      # integer-dot K-quant tiles, Q4_K / Q5_K / Q6_K (q8_K activations)
-_INT_KINDS = (_KIND_ITILE_Q4, _KIND_ITILE_Q8, _KIND_KTILE, _KIND_ITILE_Q5)
-_ITILE_KINDS = (_KIND_ITILE_Q4, _KIND_ITILE_Q5, _KIND_ITILE_Q8)    # q8_0-activation integer tiles
+_ITILE_KINDS = (_KIND_ITILE_Q4, _KIND_ITILE_Q5, _KIND_ITILE_Q8, _KIND_ITILE_Q40, _KIND_ITILE_Q50)   # q8_0 activations
+_INT_KINDS = _ITILE_KINDS + (_KIND_KTILE,)
 # the integer tile dot of a literal _KIND_ITILE_* kind (only the kinds a kernel is called with compile)
-_dot_itile = dot_tile_by({_KIND_ITILE_Q4: "q4", _KIND_ITILE_Q5: "q5", _KIND_ITILE_Q8: "q8"})
+_dot_itile = dot_tile_by({_KIND_ITILE_Q4: "q4", _KIND_ITILE_Q5: "q5", _KIND_ITILE_Q8: "q8", _KIND_ITILE_Q40: "q40",
+                          _KIND_ITILE_Q50: "q50"})
 _KTILE_FMT = {Q4_K: "q4k", Q5_K: "q5k", Q6_K: "q6k"}
 
 
@@ -871,7 +875,8 @@ def prepare_weight(ggml_type: int, data: np.ndarray, rows: int, cols: int, q8_ac
         w.fw = raw.view(np.uint16)
     elif gt in (Q4_0, Q4_1, Q8_0) or (gt in (Q5_0, Q5_1) and q8_act):
         if q8_act:
-            R, kind = TILE_ROWS, {Q8_0: _KIND_ITILE_Q8, Q5_0: _KIND_ITILE_Q5, Q5_1: _KIND_ITILE_Q5}.get(gt, _KIND_ITILE_Q4)
+            R, kind = TILE_ROWS, {Q8_0: _KIND_ITILE_Q8, Q5_0: _KIND_ITILE_Q50, Q5_1: _KIND_ITILE_Q5,
+                                  Q4_0: _KIND_ITILE_Q40, Q4_1: _KIND_ITILE_Q4}[gt]
         else:
             R, kind = (_R_Q8, _KIND_TILE_Q8) if gt == Q8_0 else (_R_Q4, _KIND_TILE_Q4)
         qt, sc = _repack_tiles(gt, raw, rows, cols, R, q8_act)

@@ -15,7 +15,7 @@ The class is what Numba compiles for (its target CPU name and features), so NUMB
 NUMBA_CPU_FEATURES overrides select it too (Numba's cache keys on both, so cached code matches).
 
 Two tile families (layouts below, `repack_*` build them from ggml rows):
-  * dot_tile_q4 / q5 / q8: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 against q8_0 activation blocks of 32 (TILE_ROWS rows).
+  * dot_tile_q4 / q5 / q40 / q50 / q8: Q4_1, Q5_1, Q4_0, Q5_0, Q8_0 against q8_0 activation blocks of 32 (TILE_ROWS rows).
   * dot_ktile (Q4_K, Q5_K, Q6_K): against q8_K activation blocks of 256 with int sums per 16
     (llama.cpp's q8_K), KTILE_ROWS = L rows: each row's dot equals llama.cpp's vec_dot_qX_K_q8_K.
 """
@@ -211,13 +211,19 @@ def _tile_dot(fmt):
           row . x = sum_b d*xd_b * sum_j q_j xq_j  +  m * xd_b * xs_b   (xs_b: int sum of xq's block)
       Q5 (Q5_0 / Q5_1): as Q4 with a fifth group [R][4]: byte c of a row's word holds bit 4 of column
           4jj+c in bit jj and of column 16+4jj+c in bit 4+jj (Q5_0: m = -16 d).
+      Q40 / Q50 (Q4_0 / Q5_0): as Q4 / Q5 with sc uint16 [nb][1][R] = f16 d only (2 bytes less per block):
+          row . x = sum_b d*xd_b * (sum_j q_j xq_j - z xs_b)   (z = 8 / 16: llama.cpp's q4_0 / q5_0 dot)
       Q8 (Q8_0): qt uint8 [nb][8 groups][R rows][4 bytes] = ggml's int8 qs;  sc uint16 [nb][1][R] = f16 d.
           row . x = sum_b d*xd_b * sum_j q_j xq_j
     x is llama.cpp's q8_0 activation: xq int8 [nb*32], xd f32 [nb], xs int32 [nb].  These are llama.cpp's
     q4_0/q4_1/q5_0/q5_1/q8_0 x q8 dot products: the per-block int32 sums are exact, then scaled in float."""
-    q4 = fmt != "q8"
+    q4 = fmt != "q8"                           # nibble formats
+    q5 = fmt in ("q5", "q50")                  # with the fifth (high bit) group
+    z = {"q40": 8, "q50": 16}.get(fmt, 0)      # offset form: no m
+    hasm = q4 and not z
+    nsc = 2 if hasm else 1                     # f16 scales per row per block
     groups = 4 if q4 else 8
-    stride = (groups + (fmt == "q5")) * 4      # bytes per row per block
+    stride = (groups + q5) * 4                 # bytes per row per block
 
     def typer(typingctx, qt, sc, xq, xd, xa, nb, out):
         if not (_arr(qt, types.uint8) and _arr(sc, types.uint16) and _arr(xq, types.int8)
@@ -246,17 +252,19 @@ def _tile_dot(fmt):
                     xs = [_bcast4(builder, xqp, builder.add(xb, _c(4 * jj))) for jj in range(groups)]
                 xdv = _ld(builder, xdp, b, F32, 4)
                 xdb = _splat(builder, xdv, L)
-                if q4:
+                if hasm:
                     xfb = _splat(builder, builder.fmul(xdv, builder.sitofp(_ld(builder, xap, b, I32, 4), F32)), L)
-                sb = builder.mul(b, _c((2 if q4 else 1) * R))
+                if z:
+                    zxs = _splat(builder, builder.mul(_ld(builder, xap, b, I32, 4), ir.Constant(I32, z)), L)
+                sb = builder.mul(b, _c(nsc * R))
                 ahead = -(-PF_BYTES // (stride * R))           # blocks ahead to prefetch (past the tile: the next one's)
                 for o in range(0, stride * R, 64):
                     _prefetch(builder, qtp, builder.add(qb, _c(ahead * stride * R + o)), PF_LOCALITY)
                 _prefetch(builder, builder.bitcast(scp, I8.as_pointer()),
-                          builder.mul(builder.add(b, _c(ahead)), _c((2 if q4 else 1) * R * 2)), PF_LOCALITY)
+                          builder.mul(builder.add(b, _c(ahead)), _c(nsc * R * 2)), PF_LOCALITY)
                 for k in range(G):
                     pairs = []
-                    if fmt == "q5":
+                    if q5:
                         hw = _ld(builder, qtp, builder.add(qb, _c(4 * R * groups + n4 * k)), vi)
 
                         def hbit(s):       # bit s of each byte of hw, moved to bit 4
@@ -267,17 +275,19 @@ def _tile_dot(fmt):
                         if q4:
                             lo = builder.and_(w, m15)
                             hi = builder.and_(builder.lshr(w, sh4), m15)
-                            if fmt == "q5":
+                            if q5:
                                 lo = builder.or_(lo, hbit(jj))
                                 hi = builder.or_(hi, hbit(4 + jj))
                             pairs += [(lo, xs[jj][0]), (hi, xs[jj][1])]
                         else:
                             pairs.append((w, xs[jj]))
-                    a = _bdot(builder, pairs, 31 if fmt == "q5" else 15, signed=not q4)
+                    a = _bdot(builder, pairs, 31 if q5 else 15, signed=not q4)
+                    if z:
+                        a = builder.sub(a, zxs)
                     d = _halves(builder, scp, builder.add(sb, _c(L * k)))
                     s = builder.fadd(builder.load(sums[k]),
                                      builder.fmul(builder.fmul(d, xdb), builder.sitofp(a, _vec(F32, L))))
-                    if q4:
+                    if hasm:
                         s = builder.fadd(s, builder.fmul(_halves(builder, scp, builder.add(sb, _c(R + L * k))), xfb))
                     builder.store(s, sums[k])
             _store_out(builder, outp, sums)
@@ -289,6 +299,8 @@ def _tile_dot(fmt):
 
 dot_tile_q4 = intrinsic(_tile_dot("q4"))
 dot_tile_q5 = intrinsic(_tile_dot("q5"))
+dot_tile_q40 = intrinsic(_tile_dot("q40"))
+dot_tile_q50 = intrinsic(_tile_dot("q50"))
 dot_tile_q8 = intrinsic(_tile_dot("q8"))
 
 
