@@ -42,11 +42,15 @@ def windowed(fmt) -> bool:
     return fmt.kind not in ("float", "kivi")
 
 
+WINDOW_TYPES = ("f16", "q8_0")   # formats of the token-adaptive window's ring rows
+
+
 def seq_overhead_bytes(cfg: Config, k_fmt, v_fmt, page_tokens: int = 32, window: int = 0,
-                       n_sink: int = N_SINK) -> int:
-    """Fixed f16 bytes a sequence holds beside its pages: sink rows for quantized types, KIVI's
+                       n_sink: int = N_SINK, window_type: str = "f16") -> int:
+    """Fixed bytes a sequence holds beside its pages: f16 sink rows for quantized types, KIVI's
     recent-page ring and the token-adaptive window's ring (all layers, K + V)."""
     row = 2 * cfg.head_dim * cfg.n_kv_heads * cfg.n_layers          # one f16 token row, all layers
+    wrow = row_bytes(KV_FORMATS[window_type], cfg.head_dim) * cfg.n_kv_heads * cfg.n_layers
     total = 0
     for f in (k_fmt, v_fmt):
         if f.kind != "float":
@@ -54,7 +58,7 @@ def seq_overhead_bytes(cfg: Config, k_fmt, v_fmt, page_tokens: int = 32, window:
         if f.kind == "kivi":
             total += (KIVI_WINDOW + 1) * page_tokens * row
         elif windowed(f):
-            total += window * row
+            total += window * wrow
     return total
 
 
@@ -100,7 +104,7 @@ class KVCache:
     F16_CODE = F16.code          # format of the residual rows
     def __init__(self, cfg: Config, n_ctx: int, k_types="f16", v_types="f16", page_tokens: int = 32,
                  max_seqs: int = 1, kv_budget: int | None = None, k_smooth: bool = True, backend=None,
-                 kv_window: int = 0, kv_sinks: int = N_SINK):
+                 kv_window: int = 0, kv_sinks: int = N_SINK, kv_window_type: str = "f16"):
         self.cfg, self.n_ctx, self.P = cfg, int(n_ctx), int(page_tokens)
         self.be = be = backend if backend is not None else get_backend("cpu")
         HD, KVH = cfg.head_dim, cfg.n_kv_heads
@@ -109,6 +113,9 @@ class KVCache:
         if not 0 <= int(kv_window) <= self.n_ctx or not 0 <= int(kv_sinks) <= self.n_ctx:
             raise PykvError(f"--kv-window ({kv_window}) and --kv-sinks ({kv_sinks}) must be in 0..{self.n_ctx}")
         self.W, self.NS = int(kv_window), int(kv_sinks)
+        if kv_window_type not in WINDOW_TYPES:
+            raise PykvError(f"--kv-window-type must be one of {', '.join(WINDOW_TYPES)}, got {kv_window_type!r}")
+        self.wfmt = KV_FORMATS[kv_window_type]
         if self.W and be.name != "cpu":
             raise PykvError(f"the KV window (--kv-window) runs on the CPU only for now (device {be.name})")
         k_fmts = _fmt_list(k_types, cfg.n_layers, "cache-type-k")
@@ -177,7 +184,8 @@ class KVCache:
                 if fmt.kind == "kivi":
                     seq.residual[(li, name)] = be.zeros(self._dummy_res.shape, np.uint8)
                 elif windowed(fmt) and self.W:
-                    seq.residual[(li, name)] = be.zeros((cfg.n_kv_heads, self.W, 2 * cfg.head_dim), np.uint8)
+                    seq.residual[(li, name)] = be.zeros((cfg.n_kv_heads, self.W, row_bytes(self.wfmt, cfg.head_dim)),
+                                                        np.uint8)
                 if fmt.kind != "float" and self.NS:
                     seq.sink[(li, name)] = be.zeros(self._dummy_sink.shape, np.uint8)
         return seq
@@ -349,7 +357,7 @@ class KVCache:
                 j = seg
 
     def _window_append(self, ring, name: str, x, n0: int) -> None:
-        """The f16 copies of a batch x (T, KVH, HD) at positions n0.. : a batch of T > 1 is staged with
+        """The f16 (or q8_0: --kv-window-type) copies of a batch x (T, KVH, HD) at positions n0.. : a batch of T > 1 is staged with
         the W - 1 window rows before it (attend reads them there: each query its own window), and the
         ring keeps the newest W.  The staging rows are the cache's, one set per side: attend(li, seq)
         must follow append(li, seq) before another append, as in Model._layer."""
@@ -361,8 +369,8 @@ class KVCache:
                 st = self._stage[name] = np.zeros((ring.shape[0], RS, ring.shape[2]), np.uint8)
             js = np.arange(max(0, n0 - W), n0)
             st[:, js % RS] = ring[:, js % W]
-            kq.write_residual(x, st, n0, RS, F16.code)
-        kq.write_residual(x, ring, n0, W, F16.code)
+            kq.write_residual(x, st, n0, RS, self.wfmt.code)
+        kq.write_residual(x, ring, n0, W, self.wfmt.code)
 
     def _reads(self, seq: Sequence, li: int, name: str, fmt, n_tot: int, T: int):
         """(f16 ring, nq, w) for attention over one side: KIVI reads tokens >= nq from its page ring;

@@ -40,7 +40,7 @@ _UNIT = 4          # knapsack cost unit: 1/4 byte per token
 # ---- bytes per token, per layer and side ------------------------------------------------------
 
 def side_bytes(cfg, fmt, is_key: bool, n_ctx: int, page_tokens: int = 32, window: int = 0,
-               n_sink: int = N_SINK) -> float:
+               n_sink: int = N_SINK, window_type: str = "f16") -> float:
     """Bytes one token costs in ONE layer's K (is_key) or V: the pool rows of every KV head plus the
     sequence's fixed f16 rows of that layer and side (sinks, KIVI ring, the token-adaptive window)
     amortised over n_ctx."""
@@ -48,15 +48,16 @@ def side_bytes(cfg, fmt, is_key: bool, n_ctx: int, page_tokens: int = 32, window
     fmt, f16 = parse_kv_type(fmt), KV_FORMATS["f16"]
     one = dataclasses.replace(cfg, n_layers=1)
     kf, vf = (fmt, f16) if is_key else (f16, fmt)
-    fixed = seq_overhead_bytes(one, kf, vf, page_tokens, window, n_sink)
+    fixed = seq_overhead_bytes(one, kf, vf, page_tokens, window, n_sink, window_type)
     return cfg.n_kv_heads * kv_bytes_per_token_head(fmt, cfg.head_dim, page_tokens, is_key) + fixed / n_ctx
 
 
 def plan_bytes(cfg, k_types, v_types, n_ctx: int, page_tokens: int = 32, window: int = 0,
-               n_sink: int = N_SINK) -> float:
+               n_sink: int = N_SINK, window_type: str = "f16") -> float:
     """Bytes per token of a per-layer plan, everything stored counted (see side_bytes)."""
-    return sum(side_bytes(cfg, k, True, n_ctx, page_tokens, window, n_sink)
-               + side_bytes(cfg, v, False, n_ctx, page_tokens, window, n_sink) for k, v in zip(k_types, v_types))
+    return sum(side_bytes(cfg, k, True, n_ctx, page_tokens, window, n_sink, window_type)
+               + side_bytes(cfg, v, False, n_ctx, page_tokens, window, n_sink, window_type)
+               for k, v in zip(k_types, v_types))
 
 
 def bits_per_value(cfg, nbytes: float) -> float:
@@ -127,9 +128,9 @@ class _Prober:
     """One float-activation model, the f16 run's logits and its residual stream at every layer input
     (per batch), so a probe of layer l re-runs layers l..L-1 only."""
 
-    def __init__(self, model, ids, window: int = 0, sinks: int = N_SINK):
+    def __init__(self, model, ids, window: int = 0, sinks: int = N_SINK, window_type: str = "f16"):
         self.m, self.ids = model, np.asarray(ids, np.int64)
-        self.opts = {"kv_window": int(window), "kv_sinks": int(sinks)}   # of every probed cache
+        self.opts = {"kv_window": int(window), "kv_sinks": int(sinks), "kv_window_type": window_type}  # every probe
         if len(self.ids) > model.n_ctx:
             raise PykvError(f"calibration: {len(self.ids)} tokens exceed the context {model.n_ctx}")
         L = model.config.n_layers
@@ -190,17 +191,20 @@ def _one(L, l, t, rest="f16"):
 
 
 def measure(model, ids, types=DEFAULT_TYPES, exact: bool = False, progress=None, window: int = 0,
-            sinks: int = N_SINK) -> dict:
+            sinks: int = N_SINK, group: int = 1, window_type: str = "f16") -> dict:
     """The sensitivity table: {"types", "k": [[KL per type] per layer], "v": ..., "method", "uniform",
     "kv_window", "kv_sinks"}. `model` runs with float activations and n_ctx >= len(ids); every probe
-    runs with that window and sink count."""
+    runs with that window and sink count.  group > 1 (estimate only): one probe per run of `group`
+    consecutive layers at the reference type, its KL shared evenly by them (fewer runs, coarser)."""
     types = [parse_kv_type(t).name for t in types]
     if not types:
         raise PykvError("kv-sensitivity: no candidate types")
-    pr = _Prober(model, ids, window, sinks)
+    pr = _Prober(model, ids, window, sinks, window_type)
     L = pr.L
     fr = {"k": lambda l, t: (_one(L, l, t), "f16"), "v": lambda l, t: ("f16", _one(L, l, t))}
-    n_runs = 2 * L * len(types) if exact else 2 * L + 2 * len(types)
+    group = 1 if exact else max(1, int(group))
+    starts = list(range(0, L, group))
+    n_runs = 2 * L * len(types) if exact else 2 * len(starts) + 2 * len(types)
     done = 0
 
     def tick():
@@ -210,7 +214,7 @@ def measure(model, ids, types=DEFAULT_TYPES, exact: bool = False, progress=None,
             progress(done, n_runs)
 
     table = {"types": types, "n_tokens": len(pr.ids), "method": "exact" if exact else "estimate",
-             "kv_window": int(window), "kv_sinks": int(sinks)}
+             "kv_window": int(window), "kv_sinks": int(sinks), "kv_window_type": window_type, "group": group}
     if exact:
         for s in ("k", "v"):
             rows = []
@@ -233,23 +237,26 @@ def measure(model, ids, types=DEFAULT_TYPES, exact: bool = False, progress=None,
         u_ref = uni[s][types.index(ref)]
         ratio = [u / u_ref if u_ref > 0 else 0.0 for u in uni[s]]
         rows = []
-        for l in range(L):
-            a = pr.kl(*fr[s](l, ref), l0=l)
+        for l0 in starts:
+            g = range(l0, min(l0 + group, L))
+            ts = [ref if i in g else "f16" for i in range(L)]
+            a = pr.kl(ts if s == "k" else "f16", ts if s == "v" else "f16", l0=l0) / len(g)
             tick()
-            rows.append([a * r for r in ratio])
+            rows += [[a * r for r in ratio] for _ in g]
         table[s] = rows
     table["uniform"] = uni
     return table
 
 
 def sensitivity(model_path, ids, types=DEFAULT_TYPES, exact: bool = False, use_cache: bool = True,
-                progress=None, model=None, window: int = 0, sinks: int = N_SINK) -> dict:
+                progress=None, model=None, window: int = 0, sinks: int = N_SINK, group: int = 1,
+                window_type: str = "f16") -> dict:
     """The sensitivity table for this model and calibration ids, from the cache when it was measured
     before (keyed by model fingerprint, ids, types, method, window and sinks)."""
     from .model import load
     types = [parse_kv_type(t).name for t in types]
     key = hashlib.sha256(json.dumps([PLAN_VERSION, fingerprint(model_path), list(map(int, ids)), types,
-                                     bool(exact), int(window), int(sinks)]).encode()).hexdigest()[:24]
+                                     bool(exact), int(window), int(sinks), int(group), window_type]).encode()).hexdigest()[:24]
     path = os.path.join(_cache_dir(), key + ".json")
     if use_cache and os.path.exists(path):
         try:
@@ -259,7 +266,8 @@ def sensitivity(model_path, ids, types=DEFAULT_TYPES, exact: bool = False, use_c
             pass
     if model is None:
         model = load(model_path, n_ctx=max(len(ids), 32), q8_act=False)
-    table = measure(model, ids, types, exact=exact, progress=progress, window=window, sinks=sinks)
+    table = measure(model, ids, types, exact=exact, progress=progress, window=window, sinks=sinks, group=group,
+                    window_type=window_type)
     table["fingerprint"] = fingerprint(model_path)
     if use_cache:
         try:
@@ -280,9 +288,10 @@ def solve(table: dict, cfg, n_ctx: int, budget_bytes: float, page_tokens: int = 
         raise PykvError(f"the sensitivity table has {len(table['k'])} layers, the model {L}")
     types = list(table["types"]) + (["f16"] if "f16" not in table["types"] else [])
     win, ns = int(table.get("kv_window", 0)), int(table.get("kv_sinks", N_SINK))
+    wt = table.get("kv_window_type", "f16")
     items = []   # (cost units per option, KL per option) for each (layer, side)
     for s, is_key in (("k", True), ("v", False)):
-        cost = np.array([int(np.ceil(side_bytes(cfg, t, is_key, n_ctx, page_tokens, win, ns) * _UNIT - 1e-9))
+        cost = np.array([int(np.ceil(side_bytes(cfg, t, is_key, n_ctx, page_tokens, win, ns, wt) * _UNIT - 1e-9))
                          for t in types], np.int64)
         for l in range(L):
             row = list(table[s][l]) + ([0.0] if len(types) > len(table["types"]) else [])
@@ -319,9 +328,9 @@ def solve(table: dict, cfg, n_ctx: int, budget_bytes: float, page_tokens: int = 
         w -= int(items[i][0][j] - items[i][0].min())
     k_types = [types[j] for j in pick[:L]]
     v_types = [types[j] for j in pick[L:]]
-    nbytes = plan_bytes(cfg, k_types, v_types, n_ctx, page_tokens, win, ns)
+    nbytes = plan_bytes(cfg, k_types, v_types, n_ctx, page_tokens, win, ns, wt)
     return {"version": PLAN_VERSION, "n_layers": L, "n_ctx": int(n_ctx), "ctk": k_types, "ctv": v_types,
-            "kv_window": win, "kv_sinks": ns, "bytes_per_token": nbytes, "bits_per_value": bits_per_value(cfg, nbytes),
+            "kv_window": win, "kv_sinks": ns, "kv_window_type": wt, "bytes_per_token": nbytes, "bits_per_value": bits_per_value(cfg, nbytes),
             "budget_bytes_per_token": float(budget_bytes), "kl_estimate": float(best[-1])}
 
 
@@ -332,7 +341,8 @@ def plan_summary(plan: dict) -> str:
     kl = (f"measured KL {plan['kl_measured']:.5f}" if "kl_measured" in plan
           else f"estimated KL {plan.get('kl_estimate', float('nan')):.5f}")
     return (f"KV plan: {plan['bits_per_value']:.3f} bits/value, {plan['bytes_per_token']:.0f} B/token at ctx "
-            f"{plan['n_ctx']} (target {plan.get('budget_bytes_per_token', 0):.0f}), window {plan.get('kv_window', 0)}, "
+            f"{plan['n_ctx']} (target {plan.get('budget_bytes_per_token', 0):.0f}), window {plan.get('kv_window', 0)} "
+            f"({plan.get('kv_window_type', 'f16')}), "
             f"sinks {plan.get('kv_sinks', N_SINK)}, {kl} on the calibration text\n"
             f"  K: {count(plan['ctk'])}  [{','.join(plan['ctk'])}]\n"
             f"  V: {count(plan['ctv'])}  [{','.join(plan['ctv'])}]")
@@ -364,6 +374,8 @@ def read_plan(path, n_layers: int) -> dict:
         v = plan.setdefault(f, d)
         if not isinstance(v, int) or isinstance(v, bool) or v < 0:
             raise PykvError(f"KV plan {path}: {f} must be a non-negative integer, got {v!r}")
+    if plan.setdefault("kv_window_type", "f16") not in ("f16", "q8_0"):
+        raise PykvError(f"KV plan {path}: kv_window_type must be f16 or q8_0, got {plan['kv_window_type']!r}")
     return plan
 
 
@@ -421,7 +433,8 @@ def refine(pr, table, cfg, n_ctx, budget_bytes, page_tokens: int = 32, steps: in
 
 
 def plan_for(model, kv_bits=None, budget_bytes=None, calib=None, types=DEFAULT_TYPES, exact: bool = False,
-             n_tokens: int | None = None, progress=None, windows=None, sinks=None, refine_steps: int = 2) -> dict:
+             n_tokens: int | None = None, progress=None, windows=None, sinks=None, refine_steps: int = 2,
+             group: int = 1, window_type=None) -> dict:
     """The plan for a loaded model's n_ctx under kv_bits (bits per value) or budget_bytes (per token),
     calibrated on the first n_tokens of the text (None: the model's context).  windows: the
     token-adaptive window sizes to try (None: the model's --kv-window); with several, or with
@@ -441,13 +454,14 @@ def plan_for(model, kv_bits=None, budget_bytes=None, calib=None, types=DEFAULT_T
     opts = getattr(model, "_kv_opts", {})
     windows = [opts.get("kv_window", 0)] if windows is None else [int(w) for w in windows]
     sinks = opts.get("kv_sinks", N_SINK) if sinks is None else int(sinks)
+    wt = opts.get("kv_window_type", "f16") if window_type is None else window_type
     best = None
     for w in windows:
         table = sensitivity(model.path, ids, types, exact=exact, progress=progress, model=probe, window=w,
-                            sinks=sinks)
+                            sinks=sinks, group=group, window_type=wt)
         try:
             if refine_steps or len(windows) > 1:
-                plan = refine(_Prober(probe, ids, w, sinks), table, cfg, model.n_ctx, budget_bytes, model.cache.P,
+                plan = refine(_Prober(probe, ids, w, sinks, wt), table, cfg, model.n_ctx, budget_bytes, model.cache.P,
                               steps=refine_steps)
             else:
                 plan = solve(table, cfg, model.n_ctx, budget_bytes, model.cache.P)
@@ -467,7 +481,7 @@ def plan_for(model, kv_bits=None, budget_bytes=None, calib=None, types=DEFAULT_T
 
 def apply_plan(model, plan: dict, kv_rotate=None) -> None:
     model.set_kv_types(plan["ctk"], plan["ctv"], kv_rotate, kv_window=plan.get("kv_window", 0),
-                       kv_sinks=plan.get("kv_sinks", N_SINK))
+                       kv_sinks=plan.get("kv_sinks", N_SINK), kv_window_type=plan.get("kv_window_type", "f16"))
 
 
 def load_planned(path=None, *, kv_bits=None, kv_plan=None, kv_calib=None, kv_plan_out=None, kv_exact=False,
@@ -489,7 +503,7 @@ def load_planned(path=None, *, kv_bits=None, kv_plan=None, kv_calib=None, kv_pla
         plan = plan_for(model, kv_bits=kv_bits, calib=kv_calib, exact=kv_exact, progress=bar)
     apply_plan(model, plan, kw.get("kv_rotate"))
     nbytes = plan_bytes(model.config, plan["ctk"], plan["ctv"], model.n_ctx, model.cache.P,
-                        plan.get("kv_window", 0), plan.get("kv_sinks", N_SINK))
+                        plan.get("kv_window", 0), plan.get("kv_sinks", N_SINK), plan.get("kv_window_type", "f16"))
     plan = {**plan, "n_ctx": model.n_ctx, "bytes_per_token": nbytes,
             "bits_per_value": bits_per_value(model.config, nbytes)}   # this model's context
     model.kv_plan = plan
@@ -526,12 +540,13 @@ def cmd_sensitivity(args) -> int:
     except ValueError as e:
         raise PykvError(str(e)) from None
     model = load(model_path, n_ctx=args.ctx_size, threads=args.threads, q8_act=False, device=args.device,
-                 kv_window=args.kv_window, kv_sinks=args.kv_sinks)
+                 kv_window=args.kv_window, kv_sinks=args.kv_sinks, kv_window_type=args.kv_window_type)
     ids = model.tokenize(text)[:args.ctx_size]
     if len(ids) < 16:
         raise PykvError(f"{textfile} has {len(ids)} tokens; at least 16 are needed")
     table = sensitivity(model.path, ids, types, exact=args.exact, use_cache=not args.no_cache,
-                        progress=_bar(), model=model, window=args.kv_window, sinks=args.kv_sinks)
+                        progress=_bar(), model=model, window=args.kv_window, sinks=args.kv_sinks,
+                        window_type=args.kv_window_type)
     if args.json:
         print(json.dumps(table))
         return 0

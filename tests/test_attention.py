@@ -207,12 +207,25 @@ def test_bytes_per_token_smollm2(fmt, expected):
 
 # ---- token-adaptive window -----------------------------------------------------------------------
 
-def _f16(x):
-    return x.astype(np.float16).astype(np.float64)
+def _round_trip(x, wt):
+    """Rows (n, KVH, HD) as the window ring stores them: f16, or q8_0 blocks (kvquant)."""
+    if wt == "f16":
+        return x.astype(np.float16).astype(np.float64)
+    from pykv.formats import row_bytes
+    from pykv.kernels.kvquant import quantize_row
+    fmt = KV_FORMATS[wt]
+    out = np.empty(x.shape, np.float32)
+    buf = np.empty(row_bytes(fmt, x.shape[2]), np.uint8)
+    for i in range(x.shape[0]):
+        for g in range(x.shape[1]):
+            quantize_row(fmt.code, x[i, g], buf)
+            dequantize_row(fmt.code, buf, out[i, g])
+    return out.astype(np.float64)
 
 
-@pytest.mark.parametrize("kt,vt,W,NS", [("nl2", "q4_0", 5, 4), ("q4_0", "nl3", 16, 0), ("iq4_nl", "f16", 40, 8)])
-def test_window_matches_slow_reference(kt, vt, W, NS):
+@pytest.mark.parametrize("kt,vt,W,NS,wt", [("nl2", "q4_0", 5, 4, "f16"), ("q4_0", "nl3", 16, 0, "f16"),
+                                           ("iq4_nl", "f16", 40, 8, "f16"), ("nl2", "nl3", 20, 4, "q8_0")])
+def test_window_matches_slow_reference(kt, vt, W, NS, wt):
     """kv_window W: each query t reads the keys / values of its own newest W tokens (positions
     > n_past + t - W) as f16 copies and older ones as stored in the pool, in prefill (the per-row
     boundary inside a batch) and decode (the ring) alike.  The slow reference builds every query's
@@ -220,7 +233,7 @@ def test_window_matches_slow_reference(kt, vt, W, NS):
     rng = np.random.default_rng(11 + W)
     cfg = make_cfg(6, 2)
     H, HD = cfg.n_heads, cfg.head_dim
-    cache = KVCache(cfg, 256, kt, vt, page_tokens=16, max_seqs=3, kv_window=W, kv_sinks=NS)
+    cache = KVCache(cfg, 256, kt, vt, page_tokens=16, max_seqs=3, kv_window=W, kv_sinks=NS, kv_window_type=wt)
     for l in cache.layers:
         l.k_pool.fill(0x7F)
         l.v_pool.fill(0x7F)
@@ -236,7 +249,9 @@ def test_window_matches_slow_reference(kt, vt, W, NS):
         rows_k.append(k)
         rows_v.append(v)
         kq, vq = dequant_cache(cache, seq)             # pool rows (sinks: their f16 copies)
-        kf, vf = _f16(np.concatenate(rows_k)), _f16(np.concatenate(rows_v))
+        kf, vf = _round_trip(np.concatenate(rows_k), wt), _round_trip(np.concatenate(rows_v), wt)
+        if NS:                                          # sinks are f16 whatever the window's rows
+            kf[:NS], vf[:NS] = kq[:NS], vq[:NS]
         if vt == "f16":
             vf = vq
         n, n_past = seq.n_tokens, seq.n_tokens - T
@@ -266,6 +281,8 @@ def test_window_bytes_and_truncate():
     assert seq_overhead_bytes(cfg, q4, f16, 16, window=32, n_sink=8) == (32 + 8) * row
     assert seq_overhead_bytes(cfg, q4, q4, 16, window=0, n_sink=0) == 0
     assert seq_overhead_bytes(cfg, i4, f16, 16, window=32) - seq_overhead_bytes(cfg, i4, f16, 16) == 0
+    q8row = 34 * cfg.head_dim // 32 * cfg.n_kv_heads * cfg.n_layers
+    assert seq_overhead_bytes(cfg, q4, q4, 16, window=32, n_sink=0, window_type="q8_0") == 2 * 32 * q8row
     cache = KVCache(cfg, 128, "q4_0", "f16", page_tokens=16, kv_window=8)
     seq = cache.new_sequence()
     assert seq.residual[(0, "k")].shape == (cfg.n_kv_heads, 8, 2 * cfg.head_dim)

@@ -25,7 +25,8 @@ dequantized to memory beyond one tile.
 Pools (one per layer, K and V):  uint8[KVH, n_pages, P * row_bytes]  (token-major rows in a page;
     head-major pages, so one head's pages are one stream for the hardware prefetcher)
     KIVI keys instead hold one per-channel-quantized page per (g, page): uint8[KVH, n_pages, page_bytes]
-Residual (KIVI types and the token-adaptive window): uint8[KVH, RING, 2 * HD] f16 rows of the newest tokens.
+Residual (KIVI types and the token-adaptive window): uint8[KVH, RING, rb] f16 rows (rb = 2 * HD) of the
+    newest tokens, or q8_0 rows (rb = HD / 32 * 34) for a q8_0 window.
 
 Numba's on-disk cache keys this module on ITS source text only: deq_rows is inlined from blocks.py, so a
 new format there needs a change here (or a cleared __pycache__) before cached builds pick it up.
@@ -33,6 +34,7 @@ new format there needs a change here (or a cleared __pycache__) before cached bu
 import numpy as np
 from numba import njit, prange
 
+from ..formats import CODE_Q8_0
 from .blocks import deq_kivi_k_rows, deq_rows
 from .simd import bits_f32, prefetch
 
@@ -221,7 +223,11 @@ def _item(q, kpool, vpool, kres, vres, ksink, vsink, page_table, n_past, ns_k, n
                 qb[x, i] = q[t0 + tb, g * G + gi, i]
     rbk = kpool.shape[2] // P
     rbv = vpool.shape[2] // P
-    rbr = kres.shape[2]
+    rbr = ksink.shape[2]                         # f16 sink rows (2 * HD bytes)
+    rbk_r = kres.shape[2]                        # ring rows: f16 (2 * HD bytes) or, for the window's
+    rbv_r = vres.shape[2]                        # q8_0 rows (--kv-window-type q8_0), narrower
+    rck = rcode if rbk_r == 2 * HD else CODE_Q8_0
+    rcv = rcode if rbv_r == 2 * HD else CODE_Q8_0
     RING = kres.shape[1]                         # residual rows: a ring (token j -> j % RING)
     RINGV = vres.shape[1]
     NS = ksink.shape[1]
@@ -277,14 +283,14 @@ def _item(q, kpool, vpool, kres, vres, ksink, vsink, page_table, n_past, ns_k, n
         if j < ns_k:                                 # attention-sink tokens: exact f16 copies
             deq_rows(rcode, ksink[g].reshape(NS * rbr), j * rbr, rbr, n, kt)
         elif j >= nq_k or (wk > 0 and j >= whi_k):
-            deq_rows(rcode, kres[g].reshape(RING * rbr), (j % RING) * rbr, rbr, n, kt)
+            deq_rows(rck, kres[g].reshape(RING * rbk_r), (j % RING) * rbk_r, rbk_r, n, kt)
         elif kbits > 0:
             deq_kivi_k_rows(kbits, kpool[g, page], sp, n, kt, dk, mk)
         else:
             deq_rows(kcode, kpool[g, page], sp * rbk, rbk, n, kt)
             if wk > 0 and j >= wlo_k:
                 kmix = True
-                deq_rows(rcode, kres[g].reshape(RING * rbr), (j % RING) * rbr, rbr, n, kt2)
+                deq_rows(rck, kres[g].reshape(RING * rbk_r), (j % RING) * rbk_r, rbk_r, n, kt2)
         # ---- scores (three query rows per pass over the K tile where all three see the whole
         # tile: every decode row), then online softmax per query row
         x3 = R if kmix else 0
@@ -324,12 +330,12 @@ def _item(q, kpool, vpool, kres, vres, ksink, vsink, page_table, n_past, ns_k, n
         if j < ns_v:
             deq_rows(rcode, vsink[g].reshape(NS * rbr), j * rbr, rbr, n, vt)
         elif j >= nq_v or (wv > 0 and j >= whi_v):
-            deq_rows(rcode, vres[g].reshape(RINGV * rbr), (j % RINGV) * rbr, rbr, n, vt)
+            deq_rows(rcv, vres[g].reshape(RINGV * rbv_r), (j % RINGV) * rbv_r, rbv_r, n, vt)
         else:
             deq_rows(vcode, vpool[g, page], sp * rbv, rbv, n, vt)
             if wv > 0 and j >= wlo_v:
                 vmix = True
-                deq_rows(rcode, vres[g].reshape(RINGV * rbr), (j % RINGV) * rbr, rbr, n, vt2)
+                deq_rows(rcv, vres[g].reshape(RINGV * rbv_r), (j % RINGV) * rbv_r, rbv_r, n, vt2)
         for x in range(R):
             if lim[x] <= j:
                 continue
