@@ -10,8 +10,10 @@
   (K|V, type) with every layer in that type; KL[l, s, t] ~ KL[l, s, ref] * KLall[s, t] / KLall[s, ref]
   (2L + 2T runs instead of 2LT; `tools/kv_auto.py --check-estimate` compares its ranking to exact).
 * **Plan** (`solve`): per layer a K type and a V type minimising the summed KL (KL assumed additive over
-  layers) with the bytes per token, f16 sink rows and KIVI windows amortised over n_ctx included, at
-  most the budget: a multiple-choice knapsack solved exactly by dynamic programming over quarter bytes.
+  layers) with the bytes per token, f16 sink rows, KIVI rings and the token-adaptive window amortised
+  over n_ctx included, at most the budget: a multiple-choice knapsack solved exactly by dynamic
+  programming over quarter bytes.  `refine` corrects the table with measured K-only / V-only runs of
+  the plan and keeps the lowest measured plan (KL compounds across layers, unevenly for K and V).
 * **Files**: the plan as a small JSON (`save_plan` / `read_plan`), the sensitivity table cached per
   model fingerprint, calibration ids, types and method (``$PYKV_CACHE`` or ``~/.cache/pykv``).
 """
