@@ -262,11 +262,13 @@ def _check(HD, G):
                         f"(got head_dim {HD}, {G})")
 
 
-def attend(q, kpool, vpool, kres, vres, ksink, vsink, page_table, n_past, ns_k, ns_v, nq_k, nq_v, P,
+def attend(q, kpool, vpool, kres, vres, ksink, vsink, page_table, n_past, ns_k, ns_v, nq_k, nq_v, wk, wv, P,
            kcode, kbits, vcode, rcode, chunk, part, out) -> None:
     """q (T, H, HD) f32, already scaled by 1/sqrt(HD); out (T, H, HD) f32; the CPU attend's arguments
     and semantics (kernels.attention.attend).  part: f32 (T, KVH, C, G, HD + 2), C >= ceil((n_past + T)
-    / chunk)."""
+    / chunk).  The token-adaptive window is CPU-only for now (KVCache refuses it here): wk = wv = 0."""
+    if wk or wv:
+        raise PykvError("the KV window (--kv-window) runs on the CPU only for now")
     T, H, HD = q.shape
     KVH = kpool.shape[0]
     G = H // KVH
