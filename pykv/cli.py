@@ -24,6 +24,11 @@ def _model_args(p: argparse.ArgumentParser, with_prompt: bool = False) -> None:
                    help="store block-quantized keys before RoPE, roped inside attention, with query-aware "
                         "smoothing (CPU only; auto: off for now)")
     p.add_argument("--kv-budget", default=None, help="cap the KV pool, e.g. 64MiB")
+    p.add_argument("--kv-window", type=int, default=0,
+                   help="newest tokens each query reads as f16 copies (quantized types; 0: none)")
+    p.add_argument("--kv-sinks", type=int, default=4, help="first tokens kept as f16 rows (quantized types)")
+    p.add_argument("--kv-window-type", default="f16", choices=["f16", "q8_0"],
+                   help="format of the --kv-window rows (q8_0: half the bytes)")
     p.add_argument("--kv-bits", type=float, default=None,
                    help="pick per-layer K/V types minimising measured KL at this many bits per stored value")
     p.add_argument("--kv-calib", default=None, help="calibration text for --kv-bits (default: built-in)")
@@ -80,7 +85,8 @@ def load_from_args(args, model_path, **kw):
                         kv_type_v=_kv_types(args.cache_type_v), threads=args.threads, kv_rotate=rot,
                         kv_prerope={"on": True, "off": False, "auto": None}[args.kv_prerope], kv_budget=budget,
                         device=args.device, kv_bits=args.kv_bits, kv_plan=args.kv_plan,
-                        kv_calib=args.kv_calib, kv_plan_out=args.kv_plan_out, verbose=True, **kw)
+                        kv_calib=args.kv_calib, kv_plan_out=args.kv_plan_out, verbose=True,
+                        kv_window=args.kv_window, kv_sinks=args.kv_sinks, kv_window_type=args.kv_window_type, **kw)
 
 
 def cmd_run(args) -> int:

@@ -5,7 +5,10 @@ Per layer, K and V each own a pool  uint8[KVH, n_pages, page_bytes]:
     slot s of a page is bytes [s*row_bytes, (s+1)*row_bytes) of each KV head: HD/QK blocks of one token;
     KIVI keys: one page quantized per channel across its P tokens (formats.kivi_page_bytes).
 Every layer uses the same page ids, so a sequence has ONE page table  int32[max_pages]  and a token
-count.  The pools, the per-sequence f16 rows and a device copy of the page table (uploaded by
+count.  Token-adaptive window (`kv_window` W > 0, every quantized non-KIVI type): each token is still
+quantized once, into the pool, on append, and its f16 copy also goes to a per-sequence ring
+uint8[KVH, W, 2*HD]; attention reads the newest W tokens of each query from the ring, older ones from
+the pool (as if the token were quantized when it leaves the window). The pools, the per-sequence f16 rows and a device copy of the page table (uploaded by
 `reserve` only when it changed) live where the cache's backend runs its kernels (kernels.backend:
 `append` and `attend` call be.kvquant / be.attention, the CPU's or the cuda twins). Each token's K/V row is quantized once, when appended; KIVI types keep the newest, not yet
 full page as f16 rows in a per-sequence residual buffer  uint8[KVH, P, 2*HD]  and quantize the page
@@ -27,7 +30,7 @@ SMOOTH_MODE = "std"  # post-RoPE key channel scale: "qk" (E[k^2]/E[q^2])^SMOOTH_
                      # pre-RoPE keys (k_pre) always use "qk" (see smooth_stats)
 SMOOTH_ALPHA = 0.5
 SMOOTH_QK_POW = 0.2  # "qk": measured below the white-noise optimum 1/4 (KL proxy: 0.024 vs 0.026 nl3 keys)
-N_SINK = 4           # first tokens of a sequence also kept as exact f16 rows for quantized KV types
+N_SINK = 4           # default: first tokens of a sequence also kept as exact f16 rows for quantized KV types
 CHUNKS_PER_THREAD = 4   # decode attention chunks per thread (8 and 16 measured no faster)
 KIVI_WINDOW = 3      # KIVI: full pages kept in f16 behind the newest one (KIVI's recent-token window)
 
@@ -37,16 +40,28 @@ def kivi_bits(fmt) -> int:
     return int(fmt.name[3:]) if fmt.kind == "kivi" else 0
 
 
-def seq_overhead_bytes(cfg: Config, k_fmt, v_fmt, page_tokens: int = 32) -> int:
-    """Fixed f16 bytes a sequence holds beside its pages: sink rows for quantized types, and KIVI's
-    recent-page ring (all layers, K + V)."""
+def windowed(fmt) -> bool:
+    """Whether a type takes the token-adaptive f16 window (every quantized type but KIVI's own ring)."""
+    return fmt.kind not in ("float", "kivi")
+
+
+WINDOW_TYPES = ("f16", "q8_0")   # formats of the token-adaptive window's ring rows
+
+
+def seq_overhead_bytes(cfg: Config, k_fmt, v_fmt, page_tokens: int = 32, window: int = 0,
+                       n_sink: int = N_SINK, window_type: str = "f16") -> int:
+    """Fixed bytes a sequence holds beside its pages: f16 sink rows for quantized types, KIVI's
+    recent-page ring and the token-adaptive window's ring (all layers, K + V)."""
     row = 2 * cfg.head_dim * cfg.n_kv_heads * cfg.n_layers          # one f16 token row, all layers
+    wrow = row_bytes(KV_FORMATS[window_type], cfg.head_dim) * cfg.n_kv_heads * cfg.n_layers
     total = 0
     for f in (k_fmt, v_fmt):
         if f.kind != "float":
-            total += N_SINK * row
+            total += n_sink * row
         if f.kind == "kivi":
             total += (KIVI_WINDOW + 1) * page_tokens * row
+        elif windowed(f):
+            total += window * wrow
     return total
 
 
@@ -67,8 +82,8 @@ class Sequence:
     page_table: np.ndarray             # int32 (max_pages,), -1 = unallocated (host)
     n_tokens: int = 0
     pt_dev: object = None              # the page table where the kernels run (the same array on the CPU)
-    residual: dict = field(default_factory=dict)   # (layer, "k"|"v") -> uint8 (KVH, P, 2*HD)
-    sink: dict = field(default_factory=dict)       # (layer, "k"|"v") -> uint8 (KVH, N_SINK, 2*HD)
+    residual: dict = field(default_factory=dict)   # (layer, "k"|"v") -> uint8 (KVH, RING, 2*HD) f16 ring
+    sink: dict = field(default_factory=dict)       # (layer, "k"|"v") -> uint8 (KVH, n_sink, 2*HD)
     k_shift: np.ndarray | None = None   # f32 (n_layers, KVH, HD): per-channel key mean removed before quantizing
     k_scale: np.ndarray | None = None   # f32 (n_layers, KVH, HD): keys divided, queries multiplied by it
     # (residual, sink, k_shift, k_scale: backend arrays, on the device with the cuda backend)
@@ -92,12 +107,20 @@ class KVCache:
     F16_CODE = F16.code          # format of the residual rows
     def __init__(self, cfg: Config, n_ctx: int, k_types="f16", v_types="f16", page_tokens: int = 32,
                  max_seqs: int = 1, kv_budget: int | None = None, k_smooth: bool = True, k_prerope=False,
-                 backend=None):
+                 backend=None, kv_window: int = 0, kv_sinks: int = N_SINK, kv_window_type: str = "f16"):
         self.cfg, self.n_ctx, self.P = cfg, int(n_ctx), int(page_tokens)
         self.be = be = backend if backend is not None else get_backend("cpu")
         HD, KVH = cfg.head_dim, cfg.n_kv_heads
         if self.P <= 0:
             raise PykvError("page size must be positive")
+        if not 0 <= int(kv_window) <= self.n_ctx or not 0 <= int(kv_sinks) <= self.n_ctx:
+            raise PykvError(f"--kv-window ({kv_window}) and --kv-sinks ({kv_sinks}) must be in 0..{self.n_ctx}")
+        self.W, self.NS = int(kv_window), int(kv_sinks)
+        if kv_window_type not in WINDOW_TYPES:
+            raise PykvError(f"--kv-window-type must be one of {', '.join(WINDOW_TYPES)}, got {kv_window_type!r}")
+        self.wfmt = KV_FORMATS[kv_window_type]
+        if self.W and be.name != "cpu":
+            raise PykvError(f"the KV window (--kv-window) runs on the CPU only for now (device {be.name})")
         k_fmts = _fmt_list(k_types, cfg.n_layers, "cache-type-k")
         v_fmts = _fmt_list(v_types, cfg.n_layers, "cache-type-v")
         for f in k_fmts + v_fmts:
@@ -131,8 +154,9 @@ class KVCache:
         self.page_refs = np.zeros(n_pages, np.int32)   # sequences holding each page (fork shares pages)
         self.ring = (KIVI_WINDOW + 1) * self.P   # residual rows per KV head: a ring of whole pages
         self._dummy_res = be.zeros((KVH, self.ring, 2 * HD), np.uint8)
-        self._dummy_sink = be.zeros((KVH, N_SINK, 2 * HD), np.uint8)
+        self._dummy_sink = be.zeros((KVH, self.NS, 2 * HD), np.uint8)
         self._tmp = be.zeros((KVH, self.P, HD), np.float32)
+        self._stage = {}     # "k"|"v" -> f16 rows (KVH, W + T, 2*HD) of a prefill batch and its window
 
     def set_k_transform(self, cos, sin, sign) -> None:
         """The model's RoPE tables (n_ctx, n_rot/2) and Hadamard signs (HD,) (None: no rotation), which
@@ -184,7 +208,10 @@ class KVCache:
             for name, fmt in (("k", l.k_fmt), ("v", l.v_fmt)):
                 if fmt.kind == "kivi":
                     seq.residual[(li, name)] = be.zeros(self._dummy_res.shape, np.uint8)
-                if fmt.kind != "float":
+                elif windowed(fmt) and self.W:
+                    seq.residual[(li, name)] = be.zeros((cfg.n_kv_heads, self.W, row_bytes(self.wfmt, cfg.head_dim)),
+                                                        np.uint8)
+                if fmt.kind != "float" and self.NS:
                     seq.sink[(li, name)] = be.zeros(self._dummy_sink.shape, np.uint8)
         return seq
 
@@ -250,8 +277,12 @@ class KVCache:
     def can_truncate(self, seq: Sequence, n: int) -> bool:
         """Whether truncate(seq, n) keeps the cache exact. KIVI pages that left the f16 ring are
         quantized and their f16 rows gone, so a KIVI sequence can only be cut back within its ring
-        (or to 0)."""
+        (or to 0); a windowed sequence's ring holds only its newest W tokens' f16 rows, so it can only
+        be cut back to 0, to its length, or while it is no longer than W."""
         if not 0 <= n <= seq.n_tokens:
+            return False
+        if self.W and 0 < n < seq.n_tokens and seq.n_tokens > self.W and any(
+                windowed(f) for l in self.layers for f in (l.k_fmt, l.v_fmt)):
             return False
         return n == 0 or all(self.n_quantized(f, n) == self.n_quantized(f, seq.n_tokens)
                              for l in self.layers for f in (l.k_fmt, l.v_fmt) if f.kind == "kivi")
@@ -326,11 +357,13 @@ class KVCache:
         The caller advances seq.n_tokens once all layers are appended."""
         l, kq = self.layers[li], self.be.kvquant
         for x, fmt, pool, name in ((k, l.k_fmt, l.k_pool, "k"), (v, l.v_fmt, l.v_pool, "v")):
-            if fmt.kind != "float" and seq.n_tokens < N_SINK:
-                e = min(x.shape[0], N_SINK - seq.n_tokens)
-                kq.write_residual(x[:e], seq.sink[(li, name)], seq.n_tokens, N_SINK, F16.code)
+            if fmt.kind != "float" and seq.n_tokens < self.NS:
+                e = min(x.shape[0], self.NS - seq.n_tokens)
+                kq.write_residual(x[:e], seq.sink[(li, name)], seq.n_tokens, self.NS, F16.code)
             if fmt.kind != "kivi":
                 kq.append_rows(x, pool, seq.pt_dev, seq.n_tokens, self.P, fmt.code)
+                if self.W and windowed(fmt):
+                    self._window_append(seq.residual[(li, name)], name, x, seq.n_tokens)
                 continue
             # KIVI: the newest KIVI_WINDOW + 1 pages live in f16 rows (a ring); a page is quantized
             # once, when the token that pushes it out of that window arrives, so the queries of a
@@ -347,6 +380,34 @@ class KVCache:
                 seg = min((j // self.P + 1) * self.P, end)
                 kq.write_residual(x[j - seq.n_tokens:seg - seq.n_tokens], res, j, self.ring, F16.code)
                 j = seg
+
+    def _window_append(self, ring, name: str, x, n0: int) -> None:
+        """The f16 (or q8_0: --kv-window-type) copies of a batch x (T, KVH, HD) at positions n0.. : a batch of T > 1 is staged with
+        the W - 1 window rows before it (attend reads them there: each query its own window), and the
+        ring keeps the newest W.  The staging rows are the cache's, one set per side: attend(li, seq)
+        must follow append(li, seq) before another append, as in Model._layer."""
+        kq, T, W = self.be.kvquant, x.shape[0], self.W
+        if T > 1:
+            RS = W + T
+            st = self._stage.get(name)
+            if st is None or st.shape[1] != RS:
+                st = self._stage[name] = np.zeros((ring.shape[0], RS, ring.shape[2]), np.uint8)
+            js = np.arange(max(0, n0 - W), n0)
+            st[:, js % RS] = ring[:, js % W]
+            kq.write_residual(x, st, n0, RS, self.wfmt.code)
+        kq.write_residual(x, ring, n0, W, self.wfmt.code)
+
+    def _reads(self, seq: Sequence, li: int, name: str, fmt, n_tot: int, T: int):
+        """(f16 ring, nq, w) for attention over one side: KIVI reads tokens >= nq from its page ring;
+        a windowed decode step (T == 1) tokens >= n_tot - W from the ring; a windowed prefill batch
+        all tokens from the pool and each query's window (w = W) from the staged rows."""
+        if fmt.kind == "kivi":
+            return seq.residual[(li, name)], self.n_quantized(fmt, n_tot), 0
+        if self.W and windowed(fmt):
+            if T == 1:
+                return seq.residual[(li, name)], max(0, n_tot - self.W), 0
+            return self._stage[name], n_tot, self.W
+        return self._dummy_res, n_tot, 0
 
     def smooth_stats(self, li: int, seq: Sequence, k: np.ndarray, q: np.ndarray | None = None) -> None:
         """Fix layer li's key smoothing from the sequence's first batch of keys k (T, KVH, HD) and
@@ -420,13 +481,15 @@ class KVCache:
         """Fused attention over layer li's pages for queries q (T, H, HD), pre-scaled by 1/sqrt(HD),
         at positions n_past .. n_past + T - 1, whose K/V are already appended; out (T, H, HD).
         part: scratch (T, KVH, C, G, HD + 2) with C >= ceil((n_past + T) / chunk)."""
-        l, n_tot = self.layers[li], n_past + q.shape[0]
+        l, T = self.layers[li], q.shape[0]
+        n_tot = n_past + T
+        kres, nq_k, wk = self._reads(seq, li, "k", l.k_fmt, n_tot, T)
+        vres, nq_v, wv = self._reads(seq, li, "v", l.v_fmt, n_tot, T)
         self.be.attention.attend(
-                q, l.k_pool, l.v_pool, self.residual(seq, li, "k"), self.residual(seq, li, "v"),
-                self.sink(seq, li, "k"), self.sink(seq, li, "v"), seq.pt_dev, n_past,
-                self.n_sink(l.k_fmt, n_tot), self.n_sink(l.v_fmt, n_tot),
-                self.n_quantized(l.k_fmt, n_tot), self.n_quantized(l.v_fmt, n_tot), self.P,
-                l.k_fmt.code, l.k_bits, l.v_fmt.code, self.F16_CODE, chunk, part, out, *self._kx(seq, li))
+                q, l.k_pool, l.v_pool, kres, vres, self.sink(seq, li, "k"), self.sink(seq, li, "v"),
+                seq.pt_dev, n_past, self.n_sink(l.k_fmt, n_tot), self.n_sink(l.v_fmt, n_tot),
+                nq_k, nq_v, wk, wv, self.P, l.k_fmt.code, l.k_bits, l.v_fmt.code, self.F16_CODE, chunk, part, out,
+                *self._kx(seq, li))
 
     def attend_batch(self, li: int, seqs, q, chunk: int, part, out) -> None:
         """One decode query per sequence (their newest token, already appended): q (S, H, HD) -> out
@@ -438,7 +501,8 @@ class KVCache:
         if self.k_pre[li]:
             raise PykvError("batched decode does not support pre-RoPE keys yet (load with kv_prerope=False)")
         meta = np.array([(s.n_tokens, self.n_sink(l.k_fmt, s.n_tokens), self.n_sink(l.v_fmt, s.n_tokens),
-                          self.n_quantized(l.k_fmt, s.n_tokens), self.n_quantized(l.v_fmt, s.n_tokens))
+                          self._reads(s, li, "k", l.k_fmt, s.n_tokens, 1)[1],
+                          self._reads(s, li, "v", l.v_fmt, s.n_tokens, 1)[1])
                          for s in seqs], np.int32)
         stack = [be.to_device(np.stack([be.to_host(f(s, li, name)) for s in seqs]))
                  for f, name in ((self.residual, "k"), (self.residual, "v"), (self.sink, "k"), (self.sink, "v"))]
@@ -449,7 +513,7 @@ class KVCache:
     def n_sink(self, fmt, n_tokens: int) -> int:
         """Tokens read from the exact f16 sink rows: quantization error on the attention-sink
         tokens, which most queries weigh heavily, costs far more than anywhere else."""
-        return 0 if fmt.kind == "float" else min(N_SINK, n_tokens)
+        return 0 if fmt.kind == "float" else min(self.NS, n_tokens)
 
     def sink(self, seq: Sequence, li: int, name: str) -> np.ndarray:
         return seq.sink.get((li, name), self._dummy_sink)

@@ -14,7 +14,7 @@ from .gguf_io import WEIGHT_TYPES, GGUFFile, open_model
 from .kernels import matmul as mm
 from .kernels.backend import Backend, get_backend
 from .kernels.ops import rope_tables
-from .kv_cache import KVCache, Sequence
+from .kv_cache import N_SINK, KVCache, Sequence
 from .tokenizer import Tokenizer
 
 NORM_TYPES = {GT.F32}
@@ -115,7 +115,8 @@ class RunState:
 class Model:
     def __init__(self, path=None, *, n_ctx: int = 2048, kv_type_k="f16", kv_type_v="f16", threads=None,
                  kv_rotate=None, page_tokens: int = 32, n_batch: int = 256, kv_budget=None, kv_smooth=True,
-                 kv_prerope=None, q8_act: bool = True, max_seqs: int = 1, device: str = "cpu"):
+                 kv_prerope=None, q8_act: bool = True, max_seqs: int = 1, device: str = "cpu", kv_window: int = 0,
+                 kv_sinks: int = N_SINK, kv_window_type: str = "f16"):
         """q8_act: activations quantized to 8-bit blocks for integer-dot weight kernels (llama.cpp's
         scheme; the fast path where the CPU has AVX-512 VNNI). False: float activations, slower but
         free of q8 rounding flips, which make two runs whose inputs differ by float rounding drift
@@ -123,7 +124,9 @@ class Model:
         uses False to measure KV formats. max_seqs: the KV pool holds that many full contexts (shared by
         model.generate and every Session) unless kv_budget sets its size in bytes.
         device: "cpu" or "cuda" (numba.cuda: weights, run state and KV cache on the GPU; float activations);
-        the backend (kernels.backend) is picked here, once."""
+        the backend (kernels.backend) is picked here, once.  kv_window: the newest tokens each query
+        reads as f16 copies (quantized types; KVCache), kv_window_type "q8_0": as q8_0 copies (half the bytes);
+        kv_sinks: the first tokens kept as f16 rows."""
         self.be = get_backend(device)   # first: a missing GPU / extra fails before any model fetch
         self.device = self.be.name
         if path is None or not os.path.exists(path):   # the default model or a registry name
@@ -149,7 +152,8 @@ class Model:
         self.weights = Weights.load(self.gguf, cfg, self.q8_act, self.be)
         self.tokenizer = Tokenizer.from_metadata(self.gguf.metadata)
         self._kv_opts = {"page_tokens": page_tokens, "kv_budget": kv_budget, "k_smooth": kv_smooth,
-                         "k_prerope": kv_prerope, "max_seqs": max_seqs}
+                         "k_prerope": kv_prerope, "max_seqs": max_seqs, "kv_window": kv_window, "kv_sinks": kv_sinks,
+                         "kv_window_type": kv_window_type}
         self.n_batch = int(n_batch)
         self.max_chunks = 8 * self.be.max_workers + 2
         self.state = RunState(cfg, self.n_batch, self.max_chunks, self.be)
@@ -163,9 +167,17 @@ class Model:
         self.set_kv_types(kv_type_k, kv_type_v, kv_rotate)
         self.last_stats: dict = {}
 
-    def set_kv_types(self, kv_type_k="f16", kv_type_v="f16", kv_rotate=None) -> None:
+    def set_kv_types(self, kv_type_k="f16", kv_type_v="f16", kv_rotate=None, kv_window=None, kv_sinks=None,
+                     kv_window_type=None) -> None:
         """A fresh KV cache of these types (same context, pages, budget and key smoothing) and its
-        rotation default; the weights stay loaded. The old cache's sequence is dropped."""
+        rotation default; the weights stay loaded. The old cache's sequence is dropped. kv_window /
+        kv_sinks: given, they replace the model's setting (kept for later calls)."""
+        if kv_window is not None:
+            self._kv_opts["kv_window"] = int(kv_window)
+        if kv_sinks is not None:
+            self._kv_opts["kv_sinks"] = int(kv_sinks)
+        if kv_window_type is not None:
+            self._kv_opts["kv_window_type"] = kv_window_type
         self.cache = KVCache(self.config, self.n_ctx, kv_type_k, kv_type_v, backend=self.be, **self._kv_opts)
         self.rotate = self._rotate_default(kv_rotate)
         self.cache.set_k_transform(self.cos, self.sin, self.rot_sign if self.rotate else None)

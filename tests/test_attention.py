@@ -205,6 +205,25 @@ def test_bytes_per_token_smollm2(fmt, expected):
     assert cache.nbytes() / cache.capacity_tokens() == expected
 
 
+def _prerope_back(seq, sign, cos, sin):
+    """Stored pre-RoPE key rows (n, KVH, HD) at positions 0.. -> the roped keys attention must see:
+    inverse Hadamard (signs sign; None: no rotation), * k_scale + k_shift, RoPE (layer 0)."""
+    HD = cos.shape[1] * 2
+    H = np.array([[1.0]])
+    while H.shape[0] < HD:
+        H = np.block([[H, H], [H, -H]])
+    R = H / np.sqrt(HD) * sign[None, :] if sign is not None else np.eye(HD)   # stored row @ R = smoothed key
+
+    def back(ks):
+        k = (ks @ R) * seq.k_scale[0] + seq.k_shift[0]
+        c, s = cos[:len(k), None, :], sin[:len(k), None, :]
+        out = k.copy()
+        out[..., 0::2] = k[..., 0::2] * c - k[..., 1::2] * s
+        out[..., 1::2] = k[..., 0::2] * s + k[..., 1::2] * c
+        return out
+    return back
+
+
 @pytest.mark.parametrize("fmt,rotate", [("q4_0", True), ("nl3", True), ("q8_0", False)])
 def test_attention_prerope_keys(fmt, rotate):
     """Pre-RoPE keys (kv_cache k_pre): the stored rows are R((k - shift) / scale) of unroped keys;
@@ -223,18 +242,7 @@ def test_attention_prerope_keys(fmt, rotate):
     seq = cache.new_sequence()
     seq.k_shift[0] = rng.standard_normal((KVH, HD))
     seq.k_scale[0] = rng.uniform(0.5, 2.0, (KVH, HD))
-    H = np.array([[1.0]])
-    while H.shape[0] < HD:
-        H = np.block([[H, H], [H, -H]])
-    R = H / np.sqrt(HD) * sign[None, :] if rotate else np.eye(HD)   # stored row @ R = the smoothed key
-
-    def keys_back(ks):   # stored (n, KVH, HD) -> the roped keys attention must see
-        k = (ks @ R) * seq.k_scale[0] + seq.k_shift[0]
-        c, s = cos[:len(k), None, :], sin[:len(k), None, :]
-        out = k.copy()
-        out[..., 0::2] = k[..., 0::2] * c - k[..., 1::2] * s
-        out[..., 1::2] = k[..., 0::2] * s + k[..., 1::2] * c
-        return out
+    keys_back = _prerope_back(seq, sign, cos, sin)
     for n_new, T in ((37, 37), (1, 1), (30, 5), (1, 1)):
         push(cache, seq, n_new, rng)
         ks, v = dequant_cache(cache, seq)
@@ -271,3 +279,104 @@ def test_query_aware_smoothing_scale(pre, monkeypatch):
     want /= np.exp(np.log(want).mean(axis=1, keepdims=True))
     np.testing.assert_allclose(seq.k_scale[0], want, rtol=1e-4)
     np.testing.assert_allclose(seq.k_shift[0], ks.mean(axis=0), rtol=1e-5, atol=1e-5)
+# ---- token-adaptive window -----------------------------------------------------------------------
+
+def _round_trip(x, wt):
+    """Rows (n, KVH, HD) as the window ring stores them: f16, or q8_0 blocks (kvquant)."""
+    if wt == "f16":
+        return x.astype(np.float16).astype(np.float64)
+    from pykv.formats import row_bytes
+    from pykv.kernels.kvquant import quantize_row
+    fmt = KV_FORMATS[wt]
+    out = np.empty(x.shape, np.float32)
+    buf = np.empty(row_bytes(fmt, x.shape[2]), np.uint8)
+    for i in range(x.shape[0]):
+        for g in range(x.shape[1]):
+            quantize_row(fmt.code, x[i, g], buf)
+            dequantize_row(fmt.code, buf, out[i, g])
+    return out.astype(np.float64)
+
+
+@pytest.mark.parametrize("kt,vt,W,NS,wt,pre", [("nl2", "q4_0", 5, 4, "f16", False), ("q4_0", "nl3", 16, 0, "f16", False),
+                                               ("iq4_nl", "f16", 40, 8, "f16", False),
+                                               ("nl2", "nl3", 20, 4, "q8_0", False),
+                                               ("nl3", "q4_0", 16, 4, "f16", True), ("q4_0", "nl2", 5, 0, "q8_0", True)])
+def test_window_matches_slow_reference(kt, vt, W, NS, wt, pre):
+    """kv_window W: each query t reads the keys / values of its own newest W tokens (positions
+    > n_past + t - W) as f16 copies and older ones as stored in the pool, in prefill (the per-row
+    boundary inside a batch) and decode (the ring) alike.  The slow reference builds every query's
+    K/V from the pushed rows (f16) and the dequantized pool, then runs the float64 attention.
+    pre: pre-RoPE keys, whose ring rows attention maps back and ropes like the pool's."""
+    rng = np.random.default_rng(11 + W)
+    cfg = make_cfg(6, 2)
+    H, HD = cfg.n_heads, cfg.head_dim
+    cache = KVCache(cfg, 256, kt, vt, page_tokens=16, max_seqs=3, kv_window=W, kv_sinks=NS, kv_window_type=wt,
+                    k_prerope=pre)
+    for l in cache.layers:
+        l.k_pool.fill(0x7F)
+        l.v_pool.fill(0x7F)
+    rng.shuffle(cache.free_pages)
+    seq, other = cache.new_sequence(), cache.new_sequence()
+    keys_back = lambda k: k                             # noqa: E731
+    if pre:
+        from pykv.kernels.ops import rope_tables
+        cos, sin = rope_tables(256, HD, 10000.0)
+        sign = rng.choice(np.array([-1.0, 1.0], np.float32), HD)
+        cache.set_k_transform(cos, sin, sign)
+        seq.k_shift[0] = rng.standard_normal((cfg.n_kv_heads, HD))
+        seq.k_scale[0] = rng.uniform(0.5, 2.0, (cfg.n_kv_heads, HD))
+        keys_back = _prerope_back(seq, sign, cos, sin)
+    rows_k, rows_v = [], []
+    for T in (37, 7, 1, 1, 3, 1, 19, 1):
+        push(cache, other, 5, rng)      # interleaved: the pages are not contiguous
+        k, v = kv_rows(cfg, T, rng), kv_rows(cfg, T, rng)
+        cache.reserve(seq, T)
+        cache.append(0, seq, k, v)      # attend follows its append, as in model.py (the staged rows)
+        seq.n_tokens += T
+        rows_k.append(k)
+        rows_v.append(v)
+        kq, vq = dequant_cache(cache, seq)             # pool rows (sinks: their f16 copies)
+        kf, vf = _round_trip(np.concatenate(rows_k), wt), _round_trip(np.concatenate(rows_v), wt)
+        if NS:                                          # sinks are f16 whatever the window's rows
+            kf[:NS], vf[:NS] = kq[:NS], vq[:NS]
+        if vt == "f16":
+            vf = vq
+        kf, kq = keys_back(kf), keys_back(kq)
+        n, n_past = seq.n_tokens, seq.n_tokens - T
+        q = (rng.standard_normal((T, H, HD)) * 2.0 / math.sqrt(HD)).astype(np.float32)
+        ref = np.empty((T, H, HD))
+        for t in range(T):
+            near = (np.arange(n) > n_past + t - W)[:, None, None]
+            ref[t] = ref_attention(q[t:t + 1].astype(np.float64) * math.sqrt(HD), np.where(near, kf, kq),
+                                   np.where(near, vf, vq), n_past=n_past + t)[0, :, :]
+        # the window really changes the answer (else this test could not fail)
+        plain = ref_attention(q.astype(np.float64) * math.sqrt(HD), kq, vq, n_past=n_past)
+        assert np.abs(plain - ref).max() > 1e-3
+        scale = np.abs(ref).max(axis=2, keepdims=True)
+        for chunk in (1024, 16, 7):
+            err = (np.abs(run_attend(cache, seq, q, chunk) - ref) / scale).max()
+            assert err <= RTOL, f"{kt}/{vt} W={W} n={n} T={T} chunk={chunk}: relative error {err:.3g}"
+
+
+def test_window_bytes_and_truncate():
+    """The window ring is W f16 rows per quantized layer side (bits accounting), and a windowed
+    sequence can only be cut back where its ring still holds the f16 rows."""
+    from pykv.kv_cache import seq_overhead_bytes
+    from pykv.formats import parse_kv_type
+    cfg = make_cfg(6, 2, n_layers=2)
+    row = 2 * cfg.head_dim * cfg.n_kv_heads * cfg.n_layers
+    q4, f16, i4 = (parse_kv_type(t) for t in ("q4_0", "f16", "int4"))
+    assert seq_overhead_bytes(cfg, q4, f16, 16, window=32, n_sink=8) == (32 + 8) * row
+    assert seq_overhead_bytes(cfg, q4, q4, 16, window=0, n_sink=0) == 0
+    assert seq_overhead_bytes(cfg, i4, f16, 16, window=32) - seq_overhead_bytes(cfg, i4, f16, 16) == 0
+    q8row = 34 * cfg.head_dim // 32 * cfg.n_kv_heads * cfg.n_layers
+    assert seq_overhead_bytes(cfg, q4, q4, 16, window=32, n_sink=0, window_type="q8_0") == 2 * 32 * q8row
+    cache = KVCache(cfg, 128, "q4_0", "f16", page_tokens=16, kv_window=8)
+    seq = cache.new_sequence()
+    assert seq.residual[(0, "k")].shape == (cfg.n_kv_heads, 8, 2 * cfg.head_dim)
+    assert (0, "v") not in seq.residual
+    rng = np.random.default_rng(0)
+    push(cache, seq, 6, rng)
+    assert cache.can_truncate(seq, 3)                   # all 6 tokens still in the ring
+    push(cache, seq, 20, rng)
+    assert not cache.can_truncate(seq, 20) and cache.can_truncate(seq, 26) and cache.can_truncate(seq, 0)

@@ -200,7 +200,7 @@ def test_cuda_attention_limits(be):
     q = np.zeros((1, 17, 32), np.float32)
     with pytest.raises(PykvError, match="query heads per KV head"):
         be.attention.attend(q, np.zeros((1, 1, 8), np.uint8), np.zeros((1, 1, 8), np.uint8), None, None, None,
-                            None, None, 0, 0, 0, 1, 1, 4, 1, 0, 1, 1, 4, None, None)
+                            None, None, 0, 0, 0, 1, 1, 0, 0, 4, 1, 0, 1, 1, 4, None, None)
 
 
 def test_smooth_stats_on_device(be):

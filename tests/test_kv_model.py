@@ -63,17 +63,19 @@ def test_prerope_keys_leave_attention_unchanged(tiny_path):
     assert np.abs(m.seq.k_shift).max() > 0 and np.abs(m.seq.k_scale - 1).max() > 0
 
 
-@pytest.mark.parametrize("kv", ["q4_0", "nl3"])
-def test_prerope_decode_steps_equal_prefill(tiny_path, kv):
+@pytest.mark.parametrize("kv,W", [("q4_0", 0), ("nl3", 0), ("nl3", 5)])
+def test_prerope_decode_steps_equal_prefill(tiny_path, kv, W):
     """With pre-RoPE keys (kv_prerope=True), token-by-token decode after a first batch of 8 reads the
-    same cache as a prefill in batches of 8 (same smoothing statistics)."""
-    m = pykv.load(tiny_path, n_ctx=64, kv_type_k=kv, kv_type_v=kv, page_tokens=8, n_batch=8, kv_prerope=True)
+    same cache as a prefill in batches of 8 (same smoothing statistics); W > 0: with the token-adaptive
+    window too (its ring rows are pre-RoPE keys as well, roped back like the pool's)."""
+    m = pykv.load(tiny_path, n_ctx=64, kv_type_k=kv, kv_type_v=kv, page_tokens=8, n_batch=8, kv_prerope=True,
+                  kv_window=W)
     assert all(m.cache.k_pre)
     full = m.forward(IDS)
     seq = m.new_sequence()
     steps = np.concatenate([m.eval(seq, IDS[:8], all_logits=True)] + [m.eval(seq, [i]) for i in IDS[8:]])
     assert rel(steps, full) < 1e-4
-    off = pykv.load(tiny_path, n_ctx=64, kv_type_k=kv, kv_type_v=kv, page_tokens=8, n_batch=8)
+    off = pykv.load(tiny_path, n_ctx=64, kv_type_k=kv, kv_type_v=kv, page_tokens=8, n_batch=8, kv_window=W)
     assert not any(off.cache.k_pre)
     assert rel(off.forward(IDS), full) > 1e-4     # really a different path
 

@@ -27,17 +27,24 @@ def tiny(tiny_path):
 
 
 @pytest.mark.parametrize("kt,vt", [(["q8_0", "q4_0", "f16"], ["int4", "f16", "iq4_nl"]),
-                                   (["int2"] * 3, ["q5_1"] * 3), (["f16"] * 3, ["f16"] * 3)])
-def test_bits_accounting_matches_the_cache(tiny, kt, vt):
+                                   (["int2"] * 3, ["q5_1"] * 3), (["f16"] * 3, ["f16"] * 3),
+                                   (["nl2", "int4", "f16"], ["q4_0", "nl3", "int2"])])
+@pytest.mark.parametrize("window,sinks,wt", [(0, 4, "f16"), (16, 0, "f16"), (5, 9, "q8_0")])
+def test_bits_accounting_matches_the_cache(tiny, kt, vt, window, sinks, wt):
     """plan_bytes * n_ctx equals what the cache really holds for a full context: the pool pages of one
-    sequence plus its f16 sink rows and KIVI rings."""
-    tiny.set_kv_types(kt, vt)
-    seq = tiny.new_sequence()
-    c = tiny.cache
-    real = c.nbytes() + sum(a.nbytes for a in seq.sink.values()) + sum(a.nbytes for a in seq.residual.values())
+    sequence plus its f16 sink rows, KIVI rings and token-adaptive window rings."""
+    tiny.set_kv_types(kt, vt, kv_window=window, kv_sinks=sinks, kv_window_type=wt)
+    try:
+        seq = tiny.new_sequence()
+        c = tiny.cache
+        real = c.nbytes() + sum(a.nbytes for a in seq.sink.values()) + sum(a.nbytes for a in seq.residual.values())
+    finally:
+        tiny.set_kv_types(kv_window=0, kv_sinks=4, kv_window_type="f16")
     assert c.capacity_tokens() == tiny.n_ctx
-    assert KP.plan_bytes(tiny.config, kt, vt, tiny.n_ctx) * tiny.n_ctx == pytest.approx(real, rel=1e-12)
-    assert KP.plan_bytes(tiny.config, kt, vt, 1 << 40) == pytest.approx(c.bytes_per_token(), rel=1e-9)
+    nb = KP.plan_bytes(tiny.config, kt, vt, tiny.n_ctx, window=window, n_sink=sinks, window_type=wt)
+    assert nb * tiny.n_ctx == pytest.approx(real, rel=1e-12)
+    assert KP.plan_bytes(tiny.config, kt, vt, 1 << 40, window=window, n_sink=sinks, window_type=wt) == pytest.approx(
+        c.bytes_per_token(), rel=1e-9)
 
 
 def _table(L, types, k, v):
@@ -96,6 +103,54 @@ def test_plan_round_trip_and_layer_check(tiny, tmp_path):
     assert KP.read_plan(f, 3) == json.loads(json.dumps(plan))
     with pytest.raises(pykv.PykvError, match="is for 3 layers, the model has 4"):
         KP.read_plan(f, 4)
+
+
+def test_plan_window_and_sinks_round_trip(tiny, tmp_path):
+    """A table measured with a window and a sink count gives a plan that carries them (bytes counted
+    with them), through the JSON file and back into the cache."""
+    cfg, n = tiny.config, tiny.n_ctx
+    table = {**_table(3, ["q8_0", "nl2"], [[1e-3, 1e-2]] * 3, [[1e-3, 2e-2]] * 3), "kv_window": 8, "kv_sinks": 2,
+             "kv_window_type": "q8_0"}
+    plan = KP.solve(table, cfg, n, KP.bits_to_bytes(cfg, 5.0))
+    assert (plan["kv_window"], plan["kv_sinks"], plan["kv_window_type"]) == (8, 2, "q8_0")
+    assert plan["bytes_per_token"] == pytest.approx(KP.plan_bytes(cfg, plan["ctk"], plan["ctv"], n, window=8, n_sink=2,
+                                                                  window_type="q8_0"))
+    assert plan["bytes_per_token"] > KP.plan_bytes(cfg, plan["ctk"], plan["ctv"], n, window=0, n_sink=2)
+    f = tmp_path / "plan.json"
+    KP.save_plan(f, plan)
+    back = KP.read_plan(f, 3)
+    assert back == json.loads(json.dumps(plan))
+    KP.apply_plan(tiny, back)
+    try:
+        assert (tiny.cache.W, tiny.cache.NS, tiny.cache.wfmt.name) == (8, 2, "q8_0")
+    finally:
+        tiny.set_kv_types(kv_window=0, kv_sinks=4, kv_window_type="f16")
+    old = {k: v for k, v in plan.items() if k not in ("kv_window", "kv_sinks", "kv_window_type")}   # a plan from before
+    KP.save_plan(f, old)
+    back = KP.read_plan(f, 3)
+    assert (back["kv_window"], back["kv_sinks"], back["kv_window_type"]) == (0, 4, "f16")
+    KP.save_plan(f, {**plan, "kv_window": -1})
+    with pytest.raises(pykv.PykvError, match="kv_window must be a non-negative integer"):
+        KP.read_plan(f, 3)
+
+
+def test_refine_keeps_the_lowest_measured_plan(tiny):
+    """refine measures every plan it meets on the calibration ids and returns the lowest; its
+    kl_measured is a real full run of the returned types."""
+    pr = KP._Prober(tiny, IDS)
+    cfg, n = tiny.config, tiny.n_ctx
+    types = ["q4_0", "nl2"]
+    # a table that has V's cost badly wrong (100x too low): the measured K/V split corrects it
+    table = {"types": types, "method": "exact", "n_tokens": len(IDS),
+             "k": [[pr.kl(KP._one(3, l, t), "f16", l0=l) for t in types] for l in range(3)],
+             "v": [[pr.kl("f16", KP._one(3, l, t), l0=l) / 100 for t in types] for l in range(3)]}
+    budget = KP.plan_bytes(cfg, ["q4_0"] * 3, ["nl2"] * 3, n) + 1
+    first = KP.solve(table, cfg, n, budget)
+    plan = KP.refine(pr, table, cfg, n, budget, steps=2)
+    assert plan["bytes_per_token"] <= budget
+    assert plan["kl_measured"] == pytest.approx(pr.kl(plan["ctk"], plan["ctv"]), rel=1e-9)
+    assert plan["kl_measured"] <= pr.kl(first["ctk"], first["ctv"]) + 1e-12
+    assert plan["refine"][0]["kl_measured"] == pytest.approx(pr.kl(first["ctk"], first["ctv"]), rel=1e-9)
 
 
 def test_cli_refuses_plan_with_wrong_layer_count(tiny_path, tmp_path, capsys):

@@ -12,6 +12,11 @@ bytes equal the CPU's).
     CUDA_HOME=DIR/nvidia/cuda_nvcc python tools/cuda_ptx_check.py --site DIR [kvquant] [attention]
 
 Prints one line per kernel (PTX size, fma count, compile seconds); exit status 1 on a failure.
+
+Every kernel, with the argument types the tests really launch it with (matmul, ops, sampler too):
+
+    PYKV_CUDA_SIGS=/tmp/sigs.pkl python -m pytest tests/test_cuda_*.py      # under the simulator
+    ... python tools/cuda_ptx_check.py --site DIR --sigs /tmp/sigs.pkl
 """
 from __future__ import annotations
 
@@ -29,6 +34,8 @@ def main() -> int:
     ap.add_argument("modules", nargs="*", default=["kvquant", "attention"])
     ap.add_argument("--site", help="a pip --target folder holding numba-cuda and the CUDA wheels")
     ap.add_argument("--cc", default="9.0", help="compute capability (default 9.0: H100 / H200)")
+    ap.add_argument("--sigs", help="compile every kernel launch recorded under the simulator instead: the file "
+                    "written by PYKV_CUDA_SIGS=FILE python -m pytest tests/test_cuda_*.py (all cuda modules)")
     a = ap.parse_args()
     if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
         print("cuda_ptx_check: unset NUMBA_ENABLE_CUDASIM (this compiles for a real GPU)")
@@ -48,6 +55,9 @@ def main() -> int:
     I, u8_3, f32_3, i32_1 = nt.int64, nt.uint8[:, :, ::1], nt.float32[:, :, ::1], nt.int32[::1]
     f32_5, u8_4 = nt.float32[:, :, :, :, ::1], nt.uint8[:, :, :, ::1]
     jobs = []
+    if a.sigs:
+        jobs = recorded(a.sigs)
+        a.modules = []
     if "kvquant" in a.modules:
         from pykv.kernels.cuda import kvquant as CK
         jobs += [(CK._append_kernel, (f32_3, u8_3, i32_1, I, I, I, I)),
@@ -64,6 +74,8 @@ def main() -> int:
     bad = 0
     for k, sig in jobs:
         name = k.py_func.__name__
+        if a.sigs:
+            name += "(" + ", ".join(str(t) for t in sig) + ")"
         t = time.time()
         try:
             ptx, _ = cuda.compile_ptx(k.py_func, sig, cc=cc)
@@ -72,11 +84,31 @@ def main() -> int:
             bad += 1
             continue
         fma = ptx.count("fma.rn.f32")
-        ok = not (name in QUANTIZERS and fma)
+        ok = not (k.py_func.__name__ in QUANTIZERS and fma)
         bad += not ok
         print(f"{name}: {len(ptx)} chars of PTX, {fma} fma.rn.f32, {time.time() - t:.1f} s"
               + ("" if ok else "  <- a quantizer with fused multiply-adds: GPU bytes may differ"))
     return 1 if bad else 0
+
+
+def recorded(path):
+    """(kernel, signature) for each distinct launch in the pickle stream at path (see
+    pykv.kernels.cuda._sim_record_signatures); simulator-only kernels of the tests are skipped."""
+    import importlib
+    import pickle
+    seen = set()
+    with open(path, "rb") as f:
+        while True:
+            try:
+                seen.update(pickle.load(f))
+            except EOFError:
+                break
+    jobs = []
+    for mod, name, sig in sorted(seen, key=str):
+        if not mod.startswith("pykv."):
+            continue
+        jobs.append((getattr(importlib.import_module(mod), name), sig))
+    return jobs
 
 
 if __name__ == "__main__":

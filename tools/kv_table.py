@@ -2,10 +2,12 @@
 reference text at ctx 1024 (SmolLM2 by default), as the README's markdown table.
 
     python tools/kv_table.py [--model PATH] [--ctx 1024] [--types q8_0,q4_0,nl3/f16] [--rotate flip]
-                             [--prerope on|off|auto] [--smooth qk|std] [--json]
+                             [--prerope on|off|auto] [--smooth qk|std] [--window W] [--window-type f16|q8_0]
+                             [--json]
 
 A type "K/V" gives keys and values different types.  bits/value counts everything stored per token
-(pool rows with their scales, f16 sink rows and KIVI windows amortised over --ctx: kv_plan.plan_bytes).
+(pool rows with their scales, f16 sink rows, KIVI windows and the --window ring amortised over --ctx:
+kv_plan.plan_bytes).
 """
 import argparse
 import json
@@ -36,6 +38,8 @@ def main():
                     help="keys stored before RoPE with query-aware smoothing (auto: the model's default, off)")
     ap.add_argument("--smooth", choices=["qk", "std"], default=kv_cache.SMOOTH_MODE,
                     help="post-RoPE key smoothing scale: query-aware (qk) or std(k)^0.5 (std)")
+    ap.add_argument("--window", type=int, default=0, help="token-adaptive window (--kv-window) for every type")
+    ap.add_argument("--window-type", choices=["f16", "q8_0"], default="f16", help="format of the window rows")
     ap.add_argument("--q8-act", action="store_true", help="8-bit activations, as `pykv run` (default: float)")
     a = ap.parse_args()
     kv_cache.SMOOTH_MODE = a.smooth
@@ -45,21 +49,25 @@ def main():
     n = len(ids) - 1
     lb = log_softmax(base_m.forward(ids)[:-1])
     base_ppl = float(np.exp(-lb[np.arange(n), ids[1:]].mean()))
+    win = {"kv_window": a.window, "kv_window_type": a.window_type}
     rows = []
     for t in a.types.split(","):
         kt, vt = (t.split("/") + [t])[:2]
-        m = pykv.load(a.model, n_ctx=a.ctx, kv_type_k=kt, kv_type_v=vt, q8_act=a.q8_act, kv_prerope=pre)
+        m = pykv.load(a.model, n_ctx=a.ctx, kv_type_k=kt, kv_type_v=vt, q8_act=a.q8_act, kv_prerope=pre,
+                      **win)
         if a.rotate == "flip":
             m = pykv.load(a.model, n_ctx=a.ctx, kv_type_k=kt, kv_type_v=vt, kv_rotate=not m.rotate,
-                          q8_act=a.q8_act, kv_prerope=pre)
+                          q8_act=a.q8_act, kv_prerope=pre, **win)
         cfg = m.config
-        nb = plan_bytes(cfg, [kt] * cfg.n_layers, [vt] * cfg.n_layers, a.ctx, m.cache.P)
+        nb = plan_bytes(cfg, [kt] * cfg.n_layers, [vt] * cfg.n_layers, a.ctx, m.cache.P, a.window,
+                        window_type=a.window_type)
         lp = log_softmax(m.forward(ids)[:-1])
         ppl = float(np.exp(-lp[np.arange(n), ids[1:]].mean()))
         rows.append({"kv_type": t, "ppl": ppl, "delta": ppl / base_ppl - 1,
                      "kl": float((np.exp(lb) * (lb - lp)).sum(1).mean()),
                      "top1": float((lb.argmax(1) == lp.argmax(1)).mean()), "rotate": m.rotate,
                      "prerope": any(m.cache.k_pre), "smooth": a.smooth,
+                     "window": a.window, "window_type": a.window_type,
                      "bytes_per_token": m.kv_bytes_per_token(), "bits_per_value": bits_per_value(cfg, nb)})
         print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     if a.json:

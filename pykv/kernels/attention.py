@@ -25,7 +25,8 @@ dequantized to memory beyond one tile.
 Pools (one per layer, K and V):  uint8[KVH, n_pages, P * row_bytes]  (token-major rows in a page;
     head-major pages, so one head's pages are one stream for the hardware prefetcher)
     KIVI keys instead hold one per-channel-quantized page per (g, page): uint8[KVH, n_pages, page_bytes]
-Residual (KIVI types only): uint8[KVH, P, 2 * HD] f16 rows of the sequence's newest, not yet full page.
+Residual (KIVI types and the token-adaptive window): uint8[KVH, RING, rb] f16 rows (rb = 2 * HD) of the
+    newest tokens, or q8_0 rows (rb = HD / 32 * 34) for a q8_0 window.
 
 Pre-RoPE keys (kx non-empty, kv_cache's k_pre): the stored keys are (k - shift) / scale of the key BEFORE
 RoPE, Hadamard-rotated; each decoded K tile is mapped back (inverse rotation, * scale + shift) and roped
@@ -38,6 +39,7 @@ new format there needs a change here (or a cleared __pycache__) before cached bu
 import numpy as np
 from numba import njit, prange
 
+from ..formats import CODE_Q8_0
 from .blocks import deq_kivi_k_rows, deq_rows
 from .ops import _fwht_vec, _rope_vec
 from .simd import bits_f32, prefetch
@@ -195,11 +197,29 @@ def _accum(px, vt, n, ax):
 # ----------------------------------------------------------------------------------------------
 
 @njit(cache=True, nogil=True, fastmath=_FM)
-def _item(q, kpool, vpool, kres, vres, ksink, vsink, page_table, n_past, ns_k, ns_v, nq_k, nq_v, P,
+def _unpre(kt, n, j, g, KVH, kx, cos, sin):
+    """Pre-RoPE keys kt[:n] (KV head g, positions j..) back to roped keys in place: inverse rotation,
+    * scale + shift, RoPE at each row's position (see attend's kx)."""
+    HD = kt.shape[1]
+    for r in range(n):
+        kv = kt[r]
+        if kx.shape[0] > 2 * KVH:
+            _fwht_vec(kv, kx[2 * KVH], True)
+        for i in range(HD):
+            kv[i] = kv[i] * kx[KVH + g, i] + kx[g, i]
+        _rope_vec(kv, j + r, cos, sin, 2 * cos.shape[1])
+
+
+@njit(cache=True, nogil=True, fastmath=_FM)
+def _item(q, kpool, vpool, kres, vres, ksink, vsink, page_table, n_past, ns_k, ns_v, nq_k, nq_v, wk, wv, P,
           kcode, kbits, vcode, rcode, g, t0, t1, j0, j1, part, c, kx, cos, sin):
     """Keys [j0, j1) (already clipped to the causal end of query t1 - 1) for query tokens [t0, t1) and
-    the G heads of KV head g; (m, l, acc) per query row -> part[t, g, c, gi].  kx (see attend): the
-    pre-RoPE key transform, or no rows."""
+    the G heads of KV head g; (m, l, acc) per query row -> part[t, g, c, gi].
+    wk > 0 (wv > 0): token-adaptive window, row x reads key (value) j from the f16 ring when
+    j >= lim[x] - wk, else from the pool: every query of a prefill batch sees what its own decode
+    step would.  Only the <= QBLOCK keys where the rows disagree decode both tiles (kt2 / vt2).
+    kx (see attend): the pre-RoPE key transform (applied to every decoded K tile: sink, ring, pool),
+    or no rows."""
     H, HD = q.shape[1], q.shape[2]
     KVH = kpool.shape[0]
     G = H // KVH
@@ -213,6 +233,8 @@ def _item(q, kpool, vpool, kres, vres, ksink, vsink, page_table, n_past, ns_k, n
     s = np.empty((R, TILE), np.float32)
     kt = np.empty((TILE, HD), np.float32)
     vt = np.empty((TILE, HD), np.float32)
+    kt2 = np.empty((TILE, HD), np.float32)     # the f16 rows of a segment the rows disagree on
+    vt2 = np.empty((TILE, HD), np.float32)
     dk = np.empty(HD, np.float32)
     mk = np.empty(HD, np.float32)
     for tb in range(TB):
@@ -223,9 +245,18 @@ def _item(q, kpool, vpool, kres, vres, ksink, vsink, page_table, n_past, ns_k, n
                 qb[x, i] = q[t0 + tb, g * G + gi, i]
     rbk = kpool.shape[2] // P
     rbv = vpool.shape[2] // P
-    rbr = kres.shape[2]
-    RING = kres.shape[1]                         # residual rows: a ring of whole pages (token j -> j % RING)
+    rbr = ksink.shape[2]                         # f16 sink rows (2 * HD bytes)
+    rbk_r = kres.shape[2]                        # ring rows: f16 (2 * HD bytes) or, for the window's
+    rbv_r = vres.shape[2]                        # q8_0 rows (--kv-window-type q8_0), narrower
+    rck = rcode if rbk_r == 2 * HD else CODE_Q8_0
+    rcv = rcode if rbv_r == 2 * HD else CODE_Q8_0
+    RING = kres.shape[1]                         # residual rows: a ring (token j -> j % RING)
+    RINGV = vres.shape[1]
     NS = ksink.shape[1]
+    wlo_k = n_past + t0 + 1 - wk                 # window: keys below wlo are pool rows for every
+    whi_k = n_past + t1 - wk                     # row, keys from whi on ring rows for every row
+    wlo_v = n_past + t0 + 1 - wv
+    whi_v = n_past + t1 - wv
     j = j0
     while j < j1:
         pg = j // P
@@ -239,7 +270,23 @@ def _item(q, kpool, vpool, kres, vres, ksink, vsink, page_table, n_past, ns_k, n
             e = min(e, ns_k)
         if j < ns_v:
             e = min(e, ns_v)
+        if wk > 0:
+            if j < wlo_k:
+                e = min(e, wlo_k)
+            elif j < whi_k:
+                e = min(e, whi_k)
+        if wv > 0:
+            if j < wlo_v:
+                e = min(e, wlo_v)
+            elif j < whi_v:
+                e = min(e, whi_v)
+        if j >= nq_k or wk > 0:                      # the ring rows of a segment do not wrap
+            e = min(e, (j // RING + 1) * RING)
+        if j >= nq_v or wv > 0:
+            e = min(e, (j // RINGV + 1) * RINGV)
         n = e - j
+        kmix = False
+        vmix = False
         page = page_table[pg] if (j < nq_k or j < nq_v) else 0
         f = e + TILE * (PF_AHEAD - 1)
         if f < j1 and (f < nq_k or f < nq_v):     # a later segment's pool rows, fetched meanwhile
@@ -257,23 +304,22 @@ def _item(q, kpool, vpool, kres, vres, ksink, vsink, page_table, n_past, ns_k, n
         # ---- K tile
         if j < ns_k:                                 # attention-sink tokens: exact f16 copies
             deq_rows(rcode, ksink[g].reshape(NS * rbr), j * rbr, rbr, n, kt)
-        elif j >= nq_k:
-            deq_rows(rcode, kres[g].reshape(RING * rbr), (j % RING) * rbr, rbr, n, kt)
+        elif j >= nq_k or (wk > 0 and j >= whi_k):
+            deq_rows(rck, kres[g].reshape(RING * rbk_r), (j % RING) * rbk_r, rbk_r, n, kt)
         elif kbits > 0:
             deq_kivi_k_rows(kbits, kpool[g, page], sp, n, kt, dk, mk)
         else:
             deq_rows(kcode, kpool[g, page], sp * rbk, rbk, n, kt)
+            if wk > 0 and j >= wlo_k:
+                kmix = True
+                deq_rows(rck, kres[g].reshape(RING * rbk_r), (j % RING) * rbk_r, rbk_r, n, kt2)
         if kx.shape[0] > 0:                          # pre-RoPE keys: back to roped keys
-            for r in range(n):
-                kv = kt[r]
-                if kx.shape[0] > 2 * KVH:
-                    _fwht_vec(kv, kx[2 * KVH], True)
-                for i in range(HD):
-                    kv[i] = kv[i] * kx[KVH + g, i] + kx[g, i]
-                _rope_vec(kv, j + r, cos, sin, 2 * cos.shape[1])
+            _unpre(kt, n, j, g, KVH, kx, cos, sin)
+            if kmix:                                 # the window's ring rows: the same keys, same map
+                _unpre(kt2, n, j, g, KVH, kx, cos, sin)
         # ---- scores (three query rows per pass over the K tile where all three see the whole
         # tile: every decode row), then online softmax per query row
-        x3 = 0
+        x3 = R if kmix else 0
         while x3 + 3 <= R and min(lim[x3], lim[x3 + 1], lim[x3 + 2]) - j >= n:
             _scores3(qb[x3], qb[x3 + 1], qb[x3 + 2], kt, n, s[x3], s[x3 + 1], s[x3 + 2])
             x3 += 3
@@ -281,7 +327,13 @@ def _item(q, kpool, vpool, kres, vres, ksink, vsink, page_table, n_past, ns_k, n
             nv = min(n, lim[x] - j)                  # causal: keys this row may see in the tile
             if nv <= 0:
                 continue
-            if x >= x3:
+            if kmix:                                 # pool rows below this row's window, f16 from it
+                m1 = min(max(lim[x] - wk - j, 0), nv)
+                if m1 > 0:
+                    _scores(qb[x], kt, m1, s[x])
+                if nv > m1:
+                    _scores(qb[x], kt2[m1:], nv - m1, s[x, m1:])
+            elif x >= x3:
                 _scores(qb[x], kt, nv, s[x])
             mx = mrow[x]
             for r in range(nv):
@@ -303,14 +355,24 @@ def _item(q, kpool, vpool, kres, vres, ksink, vsink, page_table, n_past, ns_k, n
         # ---- V tile
         if j < ns_v:
             deq_rows(rcode, vsink[g].reshape(NS * rbr), j * rbr, rbr, n, vt)
-        elif j >= nq_v:
-            deq_rows(rcode, vres[g].reshape(RING * rbr), (j % RING) * rbr, rbr, n, vt)
+        elif j >= nq_v or (wv > 0 and j >= whi_v):
+            deq_rows(rcv, vres[g].reshape(RINGV * rbv_r), (j % RINGV) * rbv_r, rbv_r, n, vt)
         else:
             deq_rows(vcode, vpool[g, page], sp * rbv, rbv, n, vt)
+            if wv > 0 and j >= wlo_v:
+                vmix = True
+                deq_rows(rcv, vres[g].reshape(RINGV * rbv_r), (j % RINGV) * rbv_r, rbv_r, n, vt2)
         for x in range(R):
             if lim[x] <= j:
                 continue
-            _accum(s[x], vt, n, acc[x])
+            if vmix:
+                m1 = min(max(lim[x] - wv - j, 0), n)
+                if m1 > 0:
+                    _accum(s[x], vt, m1, acc[x])
+                if n > m1:
+                    _accum(s[x, m1:], vt2[m1:], n - m1, acc[x])
+            else:
+                _accum(s[x], vt, n, acc[x])
         j = e
     for tb in range(TB):
         for gi in range(G):
@@ -323,14 +385,15 @@ def _item(q, kpool, vpool, kres, vres, ksink, vsink, page_table, n_past, ns_k, n
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=_FM)
-def attend(q, kpool, vpool, kres, vres, ksink, vsink, page_table, n_past, ns_k, ns_v, nq_k, nq_v, P,
+def attend(q, kpool, vpool, kres, vres, ksink, vsink, page_table, n_past, ns_k, ns_v, nq_k, nq_v, wk, wv, P,
            kcode, kbits, vcode, rcode, chunk, part, out, kx, cos, sin):
     """q (T, H, HD) f32, already scaled by 1/sqrt(HD); out (T, H, HD) f32.
     Query t attends to keys 0 .. n_past + t (causal). Keys j < ns_k (values j < ns_v) are the
     sequence's attention-sink tokens, read from their f16 copies ksink/vsink (KVH, NS, 2*HD);
     keys j < nq_k (values j < nq_v) are read from the pools through the page table, later ones
-    from the f16 residual rows kres/vres (KVH, RING, 2*HD), a ring of whole pages (token j in row
-    j % RING).
+    from the f16 residual rows kres/vres (KVH, RING, 2*HD), a ring (token j in row j % RING; KIVI:
+    whole pages).  wk / wv > 0: the token-adaptive window (see _item): query t reads keys / values
+    j >= n_past + t + 1 - wk from the ring, older ones from the pool (decode passes nq = n - w instead).
     part: f32 scratch (T, KVH, C, G, HD + 2) with C >= ceil((n_past + T) / chunk).
     Any chunk >= 1 works; multiples of P (and of TILE) split the fewest segments.
     kx f32 (0 or 2*KVH [+1], HD): no rows, or pre-RoPE keys: stored key = R((k - kx[g]) / kx[KVH + g])
@@ -354,7 +417,7 @@ def attend(q, kpool, vpool, kres, vres, ksink, vsink, page_table, n_past, ns_k, 
         t1 = min(t0 + QB, T)
         j0 = c * chunk
         j1 = min(j0 + chunk, n_past + t1)
-        _item(q, kpool, vpool, kres, vres, ksink, vsink, page_table, n_past, ns_k, ns_v, nq_k, nq_v, P,
+        _item(q, kpool, vpool, kres, vres, ksink, vsink, page_table, n_past, ns_k, ns_v, nq_k, nq_v, wk, wv, P,
               kcode, kbits, vcode, rcode, g, t0, t1, j0, j1, part, c, kx, cos, sin)
     if T * H <= 64:      # decode: a few heads, not worth a second parallel region (its launch)
         for th in range(T * H):
@@ -400,7 +463,8 @@ def attend_batch(q, kpool, vpool, kres, vres, ksink, vsink, page_tables, meta, P
     for s in range(q.shape[0]):
         n, ns_k, ns_v, nq_k, nq_v = (int(v) for v in meta[s])
         attend(q[s:s + 1], kpool, vpool, kres[s], vres[s], ksink[s], vsink[s], page_tables[s], n - 1, ns_k,
-               ns_v, nq_k, nq_v, P, kcode, kbits, vcode, rcode, chunk, part[s:s + 1], out[s:s + 1], kx, cos, sin)
+               ns_v, nq_k, nq_v, 0, 0, P, kcode, kbits, vcode, rcode, chunk, part[s:s + 1], out[s:s + 1], kx, cos,
+               sin)
 
 
 def _no_kx(HD, kx):

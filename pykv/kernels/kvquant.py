@@ -55,6 +55,8 @@ decoders dequantize_row uses.
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 from numba import njit, prange
 
@@ -367,8 +369,8 @@ def _nl_index(v, bits):
 def _qblk_nl(x, xo, dst, do, bits):
     ss = np.float32(0.0)
     for j in range(64):
-        ss += x[xo + j] * x[xo + j]
-    d = np.float32(np.sqrt(ss / np.float32(64.0)))
+        ss += fmul_rn(x[xo + j], x[xo + j])
+    d = np.float32(math.sqrt(ss / np.float32(64.0)))   # math.sqrt: numba.cuda has no np.sqrt ufunc
     for _ in range(4):
         if d == np.float32(0.0):
             break
@@ -376,9 +378,9 @@ def _qblk_nl(x, xo, dst, do, bits):
         sqx = np.float32(0.0)
         sq2 = np.float32(0.0)
         for j in range(64):
-            q = NL_TABLE[bits, _nl_index(x[xo + j] * idd, bits)]
-            sqx += q * x[xo + j]
-            sq2 += q * q
+            q = NL_TABLE[bits, _nl_index(fmul_rn(x[xo + j], idd), bits)]
+            sqx += fmul_rn(q, x[xo + j])
+            sq2 += fmul_rn(q, q)
         d = sqx / sq2
     h = f32_to_f16_bits(d)
     wr_u16(dst, do, h)
@@ -387,7 +389,7 @@ def _qblk_nl(x, xo, dst, do, bits):
     for k in range(8 * bits):
         dst[do + 2 + k] = np.uint8(0)
     for j in range(64):
-        c = _nl_index(x[xo + j] * idd, bits)
+        c = _nl_index(fmul_rn(x[xo + j], idd), bits)
         bit = bits * j
         p = do + 2 + (bit >> 3)
         sh = bit & 7

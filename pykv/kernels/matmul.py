@@ -56,8 +56,8 @@ from gguf import GGMLQuantizationType as _GT
 from ..formats import KV_FORMATS
 from .blocks import deq_rows, rd_f16
 from .simd import h2f
-from .tiles import (ISA, KTILE_ROWS, TILE_ROWS, dot_ktile_q4k, dot_ktile_q5k, dot_ktile_q6k, dot_tile_q4,
-                    dot_tile_q5, dot_tile_q8, repack_ktile)
+from .tiles import (ISA, KTILE_ROWS, TILE_ROWS, dot_ktile_q4k, dot_ktile_q5k, dot_ktile_q6k, dot_tile_by,
+                    repack_ktile)
 
 __all__ = ["Weight", "Act", "prepare_weight", "matmul", "matmul_fused", "get_rows", "set_exact", "quantize_act_q8",
            "quantize_act_q8k", "SUPPORTED_TYPES", "ISA"]
@@ -609,15 +609,17 @@ _SPECIALIZED = {}
 
 
 def _call_kind(disp, kind, *args):
-    """disp(kind, *args) where disp specializes on kind with numba.literally: the compiled specialization
-    is called directly (the dispatcher would redo its literal retry, milliseconds, on every call)."""
-    f = _SPECIALIZED.get((disp, kind))
+    """disp(kind, *args) (kind: an int, or a tuple of ints passed as the leading arguments) where disp
+    specializes on them with numba.literally: the compiled specialization is called directly (the
+    dispatcher would redo its literal retry, milliseconds, on every call)."""
+    lits = kind if isinstance(kind, tuple) else (kind,)
+    f = _SPECIALIZED.get((disp, lits))
     if f is not None:
-        return f(kind, *args)
-    disp(kind, *args)          # compiles or loads the specialization for this kind
+        return f(*lits, *args)
+    disp(*lits, *args)          # compiles or loads the specialization for these literals
     for sig, cres in disp.overloads.items():
-        if getattr(sig[0], "literal_value", None) == kind:
-            _SPECIALIZED[disp, kind] = cres.entry_point
+        if tuple(getattr(a, "literal_value", None) for a in sig[:len(lits)]) == lits:
+            _SPECIALIZED[disp, lits] = cres.entry_point
             break
 
 
@@ -639,22 +641,19 @@ def _mm_itile(kind, quant, qt, sc, rows, T, X, XQ, XD, XS, XF, tail, out):
         full = r0 + R <= rows
         for t in range(t0, min(T, t0 + _ITILE_TB)):
             o = out[t, r0:r0 + R] if full else tail[t, :R]
-            if kind == _KIND_ITILE_Q4:
-                dot_tile_q4(qt[tile], sc[tile], XQ[t], XD[t], XS[t], nb, o)
-            elif kind == _KIND_ITILE_Q5:
-                dot_tile_q5(qt[tile], sc[tile], XQ[t], XD[t], XS[t], nb, o)
-            else:
-                dot_tile_q8(qt[tile], sc[tile], XQ[t], XD[t], XS[t], nb, o)
+            _dot_itile(kind, qt[tile], sc[tile], XQ[t], XD[t], XS[t], nb, o)
             if not full:
                 for i in range(rows - r0):
                     out[t, r0 + i] = tail[t, i]
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=_FM)
-def _mm_itile_3(kind, quant, qa, sa, oa, qb, sb, ob, qc, sc, oc, T, X, XQ, XD, XS, XF):
-    """Three full-tile Q4 (or three Q5) integer tile weights sharing X (Q/K/V, or gate/up with qc empty):
-    one region.  kind: a compile-time literal."""
-    literally(kind)
+def _mm_itile_3(ka, kb, kc, quant, qa, sa, oa, qb, sb, ob, qc, sc, oc, T, X, XQ, XD, XS, XF):
+    """Three full-tile integer tile weights (Q4 / Q5 / Q8, any mix: ka, kb, kc) sharing X (Q/K/V, or
+    gate/up with qc empty): one parallel region.  ka, kb, kc: compile-time literals."""
+    literally(ka)
+    literally(kb)
+    literally(kc)
     if quant:
         quantize_act_q8(X, T, XQ, XD, XS, XF)
     na, nb_ = qa.shape[0], qb.shape[0]
@@ -665,15 +664,13 @@ def _mm_itile_3(kind, quant, qa, sa, oa, qb, sb, ob, qc, sc, oc, T, X, XQ, XD, X
         t0 = (w % ntb) * _ITILE_TB
         for t in range(t0, min(T, t0 + _ITILE_TB)):
             if it < na:
-                q, s, k, o = qa, sa, it, oa
+                _dot_itile(ka, qa[it], sa[it], XQ[t], XD[t], XS[t], nblk, oa[t, it * R:it * R + R])
             elif it < na + nb_:
-                q, s, k, o = qb, sb, it - na, ob
+                k = it - na
+                _dot_itile(kb, qb[k], sb[k], XQ[t], XD[t], XS[t], nblk, ob[t, k * R:k * R + R])
             else:
-                q, s, k, o = qc, sc, it - na - nb_, oc
-            if kind == _KIND_ITILE_Q4:
-                dot_tile_q4(q[k], s[k], XQ[t], XD[t], XS[t], nblk, o[t, k * R:k * R + R])
-            else:
-                dot_tile_q5(q[k], s[k], XQ[t], XD[t], XS[t], nblk, o[t, k * R:k * R + R])
+                k = it - na - nb_
+                _dot_itile(kc, qc[k], sc[k], XQ[t], XD[t], XS[t], nblk, oc[t, k * R:k * R + R])
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=_FM)
@@ -763,7 +760,8 @@ def _repack_tiles(gt, raw, rows, cols, R, itile):
         else:  # Q4_0 / Q5_0: d * (q - z) = d * q + (-z d), and -z d is exact in f16 unless it overflows
             z = np.float16(-8.0 if gt == Q4_0 else -16.0)
             m = (np.ascontiguousarray(d).view(np.float16) * z).view(np.uint16)
-        sc = np.stack([d, m], axis=2)
+        # integer Q4_0 / Q5_0 tiles keep d only (the dot subtracts z * sum(x), kernels.tiles' Q40 / Q50)
+        sc = d[:, :, None, :] if itile and gt in (Q4_0, Q5_0) else np.stack([d, m], axis=2)
         if gt in (Q5_0, Q5_1):      # qh -> a fifth 4-byte group (kernels.tiles.dot_tile_q5's layout)
             qh = np.ascontiguousarray(blk[:, :, qo - 4:qo]).view(np.uint32)[..., 0]
             bits = ((qh[..., None] >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
@@ -787,9 +785,15 @@ _KIND_TILE_Q4 = 1    # row-interleaved Q4_0 / Q4_1
 _KIND_TILE_Q8 = 2    # row-interleaved Q8_0
 _KIND_ITILE_Q4 = 3   # integer-dot tiles (kernels.tiles), Q4_0 / Q4_1 (q8_0 activations)
 _KIND_ITILE_Q8 = 4   # integer-dot tiles, Q8_0
-_KIND_ITILE_Q5 = 6   # integer-dot tiles, Q5_0 / Q5_1
+_KIND_ITILE_Q5 = 6   # integer-dot tiles, Q5_1
+_KIND_ITILE_Q40 = 7  # integer-dot tiles, Q4_0 (d only: llama.cpp's sum(q x) - 8 sum(x))
+_KIND_ITILE_Q50 = 8  # integer-dot tiles, Q5_0 (d only)
 _KIND_KTILE = 5      # integer-dot K-quant tiles, Q4_K / Q5_K / Q6_K (q8_K activations)
-_INT_KINDS = (_KIND_ITILE_Q4, _KIND_ITILE_Q8, _KIND_KTILE, _KIND_ITILE_Q5)
+_ITILE_KINDS = (_KIND_ITILE_Q4, _KIND_ITILE_Q5, _KIND_ITILE_Q8, _KIND_ITILE_Q40, _KIND_ITILE_Q50)   # q8_0 activations
+_INT_KINDS = _ITILE_KINDS + (_KIND_KTILE,)
+# the integer tile dot of a literal _KIND_ITILE_* kind (only the kinds a kernel is called with compile)
+_dot_itile = dot_tile_by({_KIND_ITILE_Q4: "q4", _KIND_ITILE_Q5: "q5", _KIND_ITILE_Q8: "q8", _KIND_ITILE_Q40: "q40",
+                          _KIND_ITILE_Q50: "q50"})
 _KTILE_FMT = {Q4_K: "q4k", Q5_K: "q5k", Q6_K: "q6k"}
 
 
@@ -871,7 +875,8 @@ def prepare_weight(ggml_type: int, data: np.ndarray, rows: int, cols: int, q8_ac
         w.fw = raw.view(np.uint16)
     elif gt in (Q4_0, Q4_1, Q8_0) or (gt in (Q5_0, Q5_1) and q8_act):
         if q8_act:
-            R, kind = TILE_ROWS, {Q8_0: _KIND_ITILE_Q8, Q5_0: _KIND_ITILE_Q5, Q5_1: _KIND_ITILE_Q5}.get(gt, _KIND_ITILE_Q4)
+            R, kind = TILE_ROWS, {Q8_0: _KIND_ITILE_Q8, Q5_0: _KIND_ITILE_Q50, Q5_1: _KIND_ITILE_Q5,
+                                  Q4_0: _KIND_ITILE_Q40, Q4_1: _KIND_ITILE_Q4}[gt]
         else:
             R, kind = (_R_Q8, _KIND_TILE_Q8) if gt == Q8_0 else (_R_Q4, _KIND_TILE_Q4)
         qt, sc = _repack_tiles(gt, raw, rows, cols, R, q8_act)
@@ -1089,20 +1094,22 @@ def _matmul_blas(w: Weight, T: int, X: np.ndarray, out: np.ndarray) -> None:
 
 def matmul_fused(ws, act: Act, outs) -> None:
     """matmul(ws[i], act, outs[i]) for 2 or 3 weights sharing act, in one parallel region when they
-    are all full-tile Q4 tile weights and act.T is small (decode); otherwise one call each."""
+    are all full-tile integer tile weights (Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0, any mix: one region for a
+    Q4_K_M file's Q5_0 Q/K and Q8_0 V), or float Q4 tile weights with act.T small (decode); otherwise
+    one call each."""
     T = act.T
-    kind = ws[0].kind
-    if (not _EXACT and (T < _BLAS_MIN_T or kind in (_KIND_ITILE_Q4, _KIND_ITILE_Q5)) and 2 <= len(ws) <= 3
-            and kind in (_KIND_TILE_Q4, _KIND_ITILE_Q4, _KIND_ITILE_Q5)
-            and all(w.kind == kind and w.cols == act.cols and w.rows % w.qt.shape[3] == 0 for w in ws)):
+    itile = all(w.kind in _ITILE_KINDS for w in ws)      # integer tiles, any mix of Q4 / Q5 / Q8
+    if (not _EXACT and 2 <= len(ws) <= 3
+            and (itile or (T < _BLAS_MIN_T and all(w.kind == _KIND_TILE_Q4 for w in ws)))
+            and all(w.cols == act.cols and w.rows % w.qt.shape[3] == 0 for w in ws)):
         for w, o in zip(ws, outs):
             _check_out(w, T, o)
         a, b = ws[0], ws[1]
         oa, ob = outs[0], outs[1]
         c, oc = (ws[2], outs[2]) if len(ws) == 3 else (ws[1], outs[1])
         n = c.qt.shape[0] if len(ws) == 3 else 0       # two weights: an empty third
-        if kind != _KIND_TILE_Q4:
-            _call_kind(_mm_itile_3, kind, not act._q8_ok, a.qt, a.sc, oa, b.qt, b.sc, ob, c.qt[:n], c.sc[:n], oc, T, act.x,
+        if itile:
+            _call_kind(_mm_itile_3, (a.kind, b.kind, c.kind), not act._q8_ok, a.qt, a.sc, oa, b.qt, b.sc, ob, c.qt[:n], c.sc[:n], oc, T, act.x,
                         act.xq, act.xd, act.xs, act.xf)
             act._q8_ok = True
         else:

@@ -186,11 +186,18 @@ def prefetch(typingctx, arr, off):
         return None
 
     def codegen(context, builder, sig, args):
-        p = builder.gep(_data(context, builder, sig.args[0], args[0]),     # not inbounds: any offset
-                        [context.cast(builder, args[1], sig.args[1], types.int64)])
-        fn = builder.module.declare_intrinsic(
-            "llvm.prefetch.p0", fnty=ir.FunctionType(ir.VoidType(), [I8.as_pointer(), I32, I32, I32]))
-        builder.call(fn, [builder.bitcast(p, I8.as_pointer()), ir.Constant(I32, 0), ir.Constant(I32, 3),
-                          ir.Constant(I32, 1)])
+        _prefetch(builder, _data(context, builder, sig.args[0], args[0]),
+                  context.cast(builder, args[1], sig.args[1], types.int64))
         return context.get_dummy_value()
     return types.void(arr, off), codegen
+
+
+def _prefetch(builder, base, off, locality=3):
+    """IR: prefetch the cache line at base + off (off an i64 value; base a pointer; not inbounds: any
+    offset, a hint never faults); locality 3: into all cache levels, 0: non-temporal (x86 prefetchnta:
+    a read-once stream that should not evict the caches' other data)."""
+    p = builder.gep(base, [off])
+    fn = builder.module.declare_intrinsic(
+        "llvm.prefetch.p0", fnty=ir.FunctionType(ir.VoidType(), [I8.as_pointer(), I32, I32, I32]))
+    builder.call(fn, [builder.bitcast(p, I8.as_pointer()), ir.Constant(I32, 0), ir.Constant(I32, locality),
+                      ir.Constant(I32, 1)])

@@ -3,6 +3,8 @@ same public names and arguments, device arrays in and out. Picked through kernel
 
 Reductions: on a GPU, warp sums use shuffles (cuda.shfl_down_sync); under NUMBA_ENABLE_CUDASIM=1 (the
 simulator has no shuffles) they go through shared memory instead (SIM below, fixed at import)."""
+import os
+
 from numba import config, cuda
 import numpy as np
 
@@ -43,8 +45,40 @@ def _sim_shared_lock():
     cls._pykv_locked = True
 
 
+def _sim_record_signatures(path):
+    """Under the simulator, record (module, kernel, argument types) of every kernel launch and append the
+    set to `path` (a pickle stream) at exit: tools/cuda_ptx_check.py --sigs compiles exactly those for a real GPU (the
+    simulator runs kernels as Python, so it never tells whether NVVM can compile them)."""
+    import atexit
+    import pickle
+    import numba
+    from numba.cuda.simulator import kernel as simk
+    seen = set()
+    call = simk.FakeCUDAKernel.__call__
+
+    def typ(a):
+        a = getattr(a, "_ary", a)                       # a simulator device array: its numpy array
+        return numba.typeof(a)
+
+    def record(self, *args):
+        if not self._device:
+            try:
+                seen.add((self.fn.__module__, self.fn.__name__, tuple(typ(a) for a in args)))
+            except Exception:                           # an argument numba cannot type: the launch says so
+                pass
+        return call(self, *args)
+    simk.FakeCUDAKernel.__call__ = record
+
+    def dump():                                         # appended: subprocesses record too
+        with open(path, "ab") as f:
+            pickle.dump(sorted(seen, key=str), f)
+    atexit.register(dump)
+
+
 if SIM:
     _sim_shared_lock()
+    if os.environ.get("PYKV_CUDA_SIGS"):
+        _sim_record_signatures(os.environ["PYKV_CUDA_SIGS"])
 
 
 @cuda.jit(device=True, inline=True)

@@ -80,9 +80,18 @@ _d_units = dev(row_units)
 
 @cuda.jit(device=True)
 def _chunk(q, t0, t1, n_past, g, c, j0, j1, kpool, vpool, kres, vres, ksink, vsink, page_table,
-           ns_k, ns_v, nq_k, nq_v, P, kcode, kbits, vcode, rcode, part, kt, vt, qs, acc, s, ms, ls, cs):
+           ns_k, ns_v, nq_k, nq_v, P, kcode, kbits, vcode, rcode, part):
     """Keys [j0, j1) for query tokens [t0, t1) (q's rows) and the G heads of KV head g -> part[t, g, c]
-    (max, sum, acc) per query row.  kt, vt, qs, acc, s, ms, ls, cs: the block's shared scratch."""
+    (max, sum, acc) per query row."""
+    # the block's shared scratch: decoded key / value tiles, queries, accumulators, scores, row stats
+    kt = cuda.shared.array(_KT, float32)
+    vt = cuda.shared.array(_KT, float32)
+    qs = cuda.shared.array(_QS, float32)
+    acc = cuda.shared.array(_QS, float32)
+    s = cuda.shared.array(_SC, float32)
+    ms = cuda.shared.array(RMAX, float32)
+    ls = cuda.shared.array(RMAX, float32)
+    cs = cuda.shared.array(RMAX, float32)
     tid = cuda.threadIdx.x
     H = q.shape[1]
     HD = q.shape[2]
@@ -197,14 +206,6 @@ def _chunk(q, t0, t1, n_past, g, c, j0, j1, kpool, vpool, kres, vres, ksink, vsi
 @cuda.jit
 def _attend_kernel(q, kpool, vpool, kres, vres, ksink, vsink, page_table, n_past, ns_k, ns_v, nq_k, nq_v,
                    P, kcode, kbits, vcode, rcode, chunk, QB, part):
-    kt = cuda.shared.array(_KT, float32)
-    vt = cuda.shared.array(_KT, float32)
-    qs = cuda.shared.array(_QS, float32)
-    acc = cuda.shared.array(_QS, float32)
-    s = cuda.shared.array(_SC, float32)
-    ms = cuda.shared.array(RMAX, float32)
-    ls = cuda.shared.array(RMAX, float32)
-    cs = cuda.shared.array(RMAX, float32)
     c = cuda.blockIdx.x
     g = cuda.blockIdx.y
     t0 = cuda.blockIdx.z * QB
@@ -212,20 +213,12 @@ def _attend_kernel(q, kpool, vpool, kres, vres, ksink, vsink, page_table, n_past
     j0 = c * chunk
     j1 = min(j0 + chunk, n_past + t1)
     _chunk(q, t0, t1, n_past, g, c, j0, j1, kpool, vpool, kres, vres, ksink, vsink, page_table,
-           ns_k, ns_v, nq_k, nq_v, P, kcode, kbits, vcode, rcode, part, kt, vt, qs, acc, s, ms, ls, cs)
+           ns_k, ns_v, nq_k, nq_v, P, kcode, kbits, vcode, rcode, part)
 
 
 @cuda.jit
 def _batch_kernel(q, kpool, vpool, kres, vres, ksink, vsink, page_tables, meta, P, kcode, kbits, vcode,
                   rcode, chunk, part):
-    kt = cuda.shared.array(_KT, float32)
-    vt = cuda.shared.array(_KT, float32)
-    qs = cuda.shared.array(_QS, float32)
-    acc = cuda.shared.array(_QS, float32)
-    s = cuda.shared.array(_SC, float32)
-    ms = cuda.shared.array(RMAX, float32)
-    ls = cuda.shared.array(RMAX, float32)
-    cs = cuda.shared.array(RMAX, float32)
     c = cuda.blockIdx.x
     g = cuda.blockIdx.y
     sq = cuda.blockIdx.z
@@ -234,7 +227,7 @@ def _batch_kernel(q, kpool, vpool, kres, vres, ksink, vsink, page_tables, meta, 
     j1 = min(j0 + chunk, n)
     _chunk(q[sq:sq + 1], 0, 1, n - 1, g, c, j0, j1, kpool, vpool, kres[sq], vres[sq], ksink[sq], vsink[sq],
            page_tables[sq], meta[sq, 1], meta[sq, 2], meta[sq, 3], meta[sq, 4], P, kcode, kbits, vcode,
-           rcode, part[sq:sq + 1], kt, vt, qs, acc, s, ms, ls, cs)
+           rcode, part[sq:sq + 1])
 
 
 @cuda.jit
@@ -269,13 +262,16 @@ def _check(HD, G):
                         f"(got head_dim {HD}, {G})")
 
 
-def attend(q, kpool, vpool, kres, vres, ksink, vsink, page_table, n_past, ns_k, ns_v, nq_k, nq_v, P,
+def attend(q, kpool, vpool, kres, vres, ksink, vsink, page_table, n_past, ns_k, ns_v, nq_k, nq_v, wk, wv, P,
            kcode, kbits, vcode, rcode, chunk, part, out, kx=None, cos=None, sin=None) -> None:
     """q (T, H, HD) f32, already scaled by 1/sqrt(HD); out (T, H, HD) f32; the CPU attend's arguments
     and semantics (kernels.attention.attend), without pre-RoPE keys (kx: None).  part: f32 (T, KVH, C,
-    G, HD + 2), C >= ceil((n_past + T) / chunk)."""
+    G, HD + 2), C >= ceil((n_past + T) / chunk).  The token-adaptive window is CPU-only for now (KVCache
+    refuses it here): wk = wv = 0."""
     if kx is not None:
         raise PykvError("pre-RoPE keys run on the CPU only for now")
+    if wk or wv:
+        raise PykvError("the KV window (--kv-window) runs on the CPU only for now")
     T, H, HD = q.shape
     KVH = kpool.shape[0]
     G = H // KVH

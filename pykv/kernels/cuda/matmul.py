@@ -138,26 +138,9 @@ def _store(acc, lane, r, ok, nt, t0, out):
 
 
 @cuda.jit
-def _mm_kernel(kind, raw, fw, rows, x, T, out):
-    # out[t, r] = W[r] . x[t]: block (NW warps) = NW rows x TT tokens
-    lane = cuda.threadIdx.x % WL
-    wi = cuda.threadIdx.x // WL
-    r = cuda.blockIdx.x * NW + wi
-    t0 = cuda.blockIdx.y * TT
-    nt = min(TT, T - t0)
-    sh = cuda.shared.array(_SH, np.float32)
-    acc = cuda.local.array(TT, np.float32)
-    for i in range(TT):
-        acc[i] = 0.0
-    if r < rows:
-        _row_dot(kind, raw, fw, r, x, t0, nt, lane, acc)
-    warp_sums(acc, sh, wi, lane)     # every thread of the block reaches the barriers in it
-    _store(acc, lane, r, r < rows, nt, t0, out)
-
-
-@cuda.jit
 def _mm3_kernel(ka, ra, fa, na, oa, kb, rb, fb, nb, ob, kc, rc, fc, nc, oc, x, T):
-    # the rows of up to three weights sharing x, one launch: rows [0, na) of a, then b, then c
+    # out[t, r] = W[r] . x[t] for the rows of up to three weights sharing x, one launch: rows [0, na) of a,
+    # then b, then c (nb = nc = 0: one weight); block (NW warps) = NW rows x TT tokens
     lane = cuda.threadIdx.x % WL
     wi = cuda.threadIdx.x // WL
     r = cuda.blockIdx.x * NW + wi
@@ -295,7 +278,8 @@ def matmul(w: Weight, act: Act, out) -> None:
     if act.cols != w.cols:
         raise ValueError(f"matmul: weight has {w.cols} cols, activation has {act.cols}")
     _check_out(w, T, out)
-    _mm_kernel[(grid(w.rows, NW), grid(T, TT)), WL * NW](w.kind, w.raw, w.fw, w.rows, act.x, T, out)
+    _mm3_kernel[(grid(w.rows, NW), grid(T, TT)), WL * NW](
+        w.kind, w.raw, w.fw, w.rows, out, w.kind, w.raw, w.fw, 0, out, w.kind, w.raw, w.fw, 0, out, act.x, T)
 
 
 def matmul_fused(ws, act: Act, outs) -> None:

@@ -1,0 +1,105 @@
+"""Where one decode token's time goes: wall time per kernel call of the forward pass.
+
+    python tools/profile_decode.py [MODEL] [--threads 1,2] [--depth 16] [--tokens 32]
+
+Wraps the backend's kernel entry points (matmul, ops, the KV cache's append / attend) with timers,
+decodes --tokens tokens after a --depth-token prefill, and prints per entry point: calls per token,
+microseconds per call, and per token, plus the untimed remainder (Python glue) and tokens/s without
+the wrappers.  Timings include each call's Python dispatch and (for parallel kernels) region launch.
+"""
+import argparse
+import collections
+import os
+import sys
+import time
+
+import numba
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import pykv  # noqa: E402
+from pykv.kernels import matmul as M  # noqa: E402
+
+
+def _wrap(obj, name, label, acc):
+    f = getattr(obj, name)
+
+    def g(*a, **k):
+        t0 = time.perf_counter()
+        r = f(*a, **k)
+        acc[label].append(time.perf_counter() - t0)
+        return r
+    setattr(obj, name, g)
+    return f
+
+
+def _label_matmul(acc, mm):
+    f0, f1 = mm.matmul, mm.matmul_fused
+
+    def matmul(w, act, out):
+        t0 = time.perf_counter()
+        f0(w, act, out)
+        acc[f"matmul {M._GT(w.ggml_type).name} {w.rows}x{w.cols}"].append(time.perf_counter() - t0)
+
+    def fused(ws, act, outs):
+        t0 = time.perf_counter()
+        f1(ws, act, outs)
+        names = "+".join(f"{M._GT(w.ggml_type).name}" for w in ws)
+        acc[f"fused {names} {'/'.join(str(w.rows) for w in ws)}"].append(time.perf_counter() - t0)
+    mm.matmul, mm.matmul_fused = matmul, fused
+    return f0, f1
+
+
+def decode(model, seq, n, depth):
+    seq.n_tokens = depth
+    ids = np.array([1], np.int64)
+    t0 = time.perf_counter()
+    for i in range(n):
+        model._batch(seq, ids + i, False)
+    return (time.perf_counter() - t0) / n
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model", nargs="?", default=None)
+    ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--depth", type=int, default=16)
+    ap.add_argument("--tokens", type=int, default=32)
+    a = ap.parse_args()
+    model = pykv.load(a.model, n_ctx=a.depth + a.tokens + 8)
+    seq = model.new_sequence()
+    model.eval(seq, np.arange(a.depth, dtype=np.int64) % model.n_vocab)
+    for th in [int(s) for s in a.threads.split(",")]:
+        numba.set_num_threads(th)
+        decode(model, seq, 4, a.depth)                       # warm
+        plain = min(decode(model, seq, a.tokens, a.depth) for _ in range(3))
+        acc = collections.defaultdict(list)
+        be = model.be
+        saved = []
+        saved.append((be.matmul, ("matmul", "matmul_fused"), _label_matmul(acc, be.matmul)))
+        for mod, names in ((be.ops, ("rmsnorm_act", "add_rmsnorm_act", "qkv_prep", "attn_out_act", "swiglu_act",
+                                     "add_inplace", "rmsnorm")), (be.matmul, ("get_rows",)),
+                           (model.cache, ("append", "attend"))):
+            saved.append((mod, names, [_wrap(mod, nm, nm, acc) for nm in names]))
+        per = decode(model, seq, a.tokens, a.depth)
+        for mod, names, fs in saved:
+            for nm, f in zip(names, fs):
+                if mod is model.cache:
+                    delattr(mod, nm)
+                else:
+                    setattr(mod, nm, f)
+        tot = sum(sum(v) for v in acc.values()) / a.tokens
+        print(f"\n== {os.path.basename(model.path)}  threads {th}  depth {a.depth}  load {os.getloadavg()[0]:.2f}")
+        print(f"plain: {plain * 1e3:.3f} ms/token = {1 / plain:.1f} t/s;  wrapped: {per * 1e3:.3f} ms/token")
+        print(f"{'entry point':48s} {'calls/tok':>9s} {'us/call':>9s} {'us/tok':>9s}")
+        rows = sorted(acc.items(), key=lambda kv: -sum(kv[1]))
+        for k, v in rows:
+            v = np.array(v)
+            n = len(v) / a.tokens
+            print(f"{k:48s} {n:9.1f} {np.median(v) * 1e6:9.1f} {v.sum() / a.tokens * 1e6:9.1f}")
+        print(f"{'(timed total)':48s} {'':9s} {'':9s} {tot * 1e6:9.1f}")
+        print(f"{'(glue: wrapped - timed)':48s} {'':9s} {'':9s} {(per - tot) * 1e6:9.1f}")
+
+
+if __name__ == "__main__":
+    main()
