@@ -229,6 +229,8 @@ def repl(model, session, system, sampling, read=None, out=None) -> None:
             out.write("\n")
             return
         except KeyboardInterrupt:     # Ctrl-C at the prompt clears the line
+            from .generate import set_interrupt
+            set_interrupt(False)      # handled here: the next reply must not stop at once
             out.write("\n")
             continue
         text = line.strip()

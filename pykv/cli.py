@@ -167,16 +167,34 @@ def _warn_one_line(message, category, filename, lineno, file=None, line=None) ->
     print(f"pykv: warning: {message}", file=sys.stderr)
 
 
+def _on_sigint(signum, frame):
+    from .generate import set_interrupt
+    set_interrupt(True)          # remembered, in case the exception below is swallowed (generate.set_interrupt)
+    raise KeyboardInterrupt
+
+
 def main(argv=None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
+    import signal
+    import threading
+    from .generate import set_interrupt
     from .kernels import jitnote
     # one line on stderr when kernels compile (a cold cache); on a terminal only, like bench's progress
     jitnote.install(sys.stderr if sys.stderr.isatty() else None)
-    with warnings.catch_warnings():
-        warnings.simplefilter("default")            # each warning once per command
-        warnings.showwarning = _warn_one_line       # one line too, not file:line + source
-        return _run(args)
+    own = (threading.current_thread() is threading.main_thread()
+           and signal.getsignal(signal.SIGINT) is signal.default_int_handler)
+    if own:
+        signal.signal(signal.SIGINT, _on_sigint)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("default")            # each warning once per command
+            warnings.showwarning = _warn_one_line       # one line too, not file:line + source
+            return _run(args)
+    finally:
+        if own:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            set_interrupt(False)
 
 
 def _run(args) -> int:

@@ -38,6 +38,17 @@ def make_sampler(model, temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, repea
                                  repeat_penalty=repeat_penalty, seed=seed), model.n_vocab)
 
 
+_INTERRUPT = [False]    # set by the CLI's SIGINT handler (cli._on_sigint), checked once per token
+
+
+def set_interrupt(flag: bool) -> None:
+    """Ask every running sample_loop to stop with KeyboardInterrupt at its next token (flag True), or
+    forget a request that was handled (False). The CLI's SIGINT handler sets it as well as raising
+    KeyboardInterrupt: a KeyboardInterrupt that lands in Python code Numba's C dispatcher calls (argument
+    typing) is cleared there, so one Ctrl-C could be lost; the flag is not."""
+    _INTERRUPT[0] = bool(flag)
+
+
 def sample_loop(model, seq, feed, history, sampler, max_tokens, stops, stats):
     """The sampling loop of Model.generate and of sessions: run `feed` (the prompt, or what the cache
     lacks of it) through `seq`, sample a token where the logits are (Model.next_token: on a GPU only
@@ -55,6 +66,8 @@ def sample_loop(model, seq, feed, history, sampler, max_tokens, stops, stats):
         return time.perf_counter() - t0 - (compile_seconds() - c0)
 
     for i in range(max_tokens):
+        if _INTERRUPT[0]:
+            raise KeyboardInterrupt
         if i:
             if seq.n_tokens >= model.n_ctx:
                 break

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 from tests.reference import write_tiny_gguf
 from tests.util import assert_clean_error, run_module
@@ -208,3 +209,18 @@ def test_force_for_quantize_and_export(tmp_path, capsys):
     assert r.returncode == 0, r.stderr
     assert json.loads((hf / "config.json").read_text())["hidden_size"] == 256
     assert (hf / "model.safetensors").is_file()
+
+
+def test_interrupt_request_stops_generation_at_the_next_token(smollm2):
+    """The CLI's SIGINT handler also sets generate's interrupt flag, because a KeyboardInterrupt raised
+    inside Python code that Numba's C dispatcher calls is cleared there (the lost Ctrl-C seen in CI):
+    with the flag set, generation stops at the next token even though no exception was raised."""
+    from pykv import generate as G
+    G.set_interrupt(True)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            for _ in smollm2.generate("Once upon a time", max_tokens=8, temperature=0.0):
+                pass
+    finally:
+        G.set_interrupt(False)
+    assert len("".join(smollm2.generate("Once upon a time", max_tokens=4, temperature=0.0))) > 0
