@@ -41,7 +41,7 @@ from numba import njit, prange
 
 from ..formats import CODE_Q8_0
 from .blocks import deq_kivi_k_rows, deq_rows
-from .ops import _fwht_vec, _rope_vec
+from .ops import _fwht_vec, _rope_vec, exp_neg
 from .simd import bits_f32, prefetch
 
 TILE = 32          # keys per segment (the f32 K and V tiles: TILE x HD floats each)
@@ -53,25 +53,6 @@ _FM = {"reassoc", "contract", "nsz", "arcp"}   # no nnan / ninf: -inf is a real 
 # ----------------------------------------------------------------------------------------------
 # scalar helpers
 # ----------------------------------------------------------------------------------------------
-
-@njit(cache=True, fastmath=_FM, inline="always")
-def _exp_neg(x):
-    """exp(x) for x <= 0 (softmax weights): Cody-Waite reduction + degree-6 polynomial, ~2 ulp;
-    branch-free so a loop of it vectorizes.  x < -87 (or -inf) gives 0."""
-    xc = max(x, np.float32(-87.0))
-    k = np.floor(xc * np.float32(1.4426950408889634) + np.float32(0.5))
-    r = xc - k * np.float32(0.693145751953125)
-    r = r - k * np.float32(1.428606765330187e-06)
-    p = np.float32(1.0 / 720.0)
-    p = p * r + np.float32(1.0 / 120.0)
-    p = p * r + np.float32(1.0 / 24.0)
-    p = p * r + np.float32(1.0 / 6.0)
-    p = p * r + np.float32(0.5)
-    p = p * r + np.float32(1.0)
-    p = p * r + np.float32(1.0)
-    e = bits_f32(np.uint32((np.int32(k) + 127) << 23))
-    return p * e if x >= np.float32(-87.0) else np.float32(0.0)
-
 
 # ----------------------------------------------------------------------------------------------
 # tile math.  Short loops (HD = 64) are dominated by per-loop-entry costs (horizontal reductions,
@@ -339,14 +320,14 @@ def _item(q, kpool, vpool, kres, vres, ksink, vsink, page_table, n_past, ns_k, n
             for r in range(nv):
                 mx = max(mx, s[x, r])
             if mx > mrow[x]:
-                corr = _exp_neg(mrow[x] - mx)
+                corr = exp_neg(mrow[x] - mx)
                 lrow[x] *= corr
                 for i in range(HD):
                     acc[x, i] *= corr
                 mrow[x] = mx
             ls = np.float32(0.0)
             for r in range(nv):
-                p = _exp_neg(s[x, r] - mx)
+                p = exp_neg(s[x, r] - mx)
                 s[x, r] = p
                 ls += p
             for r in range(nv, n):

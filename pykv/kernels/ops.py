@@ -2,6 +2,8 @@
 import numpy as np
 from numba import njit
 
+from .simd import bits_f32
+
 
 @njit(cache=True, nogil=True, fastmath=True, error_model="numpy")
 def rmsnorm(x, w, eps, out):
@@ -106,7 +108,7 @@ def _fwht_vec(v, sign, inverse):
         v[i] *= norm * sign[i] if inverse else norm
 
 
-@njit(cache=True, nogil=True, fastmath=True)
+@njit(cache=True, nogil=True, fastmath=True, error_model="numpy")
 def qkv_prep(q, k, v, pos0, cos, sin, n_rot, do_rope, shift, scale, smooth, sign, rotate, qmul):
     """Everything between the Q/K/V matmuls and the cache, in one call (decode is dispatch-bound):
     q (T, H, HD), k, v (T, KVH, HD) f32 in place, per token t at position pos0 + t:
@@ -147,6 +149,25 @@ def qkv_prep(q, k, v, pos0, cos, sin, n_rot, do_rope, shift, scale, smooth, sign
 # instead of two or three).  X (>=T, D) and XF (>=T, D // 32) are a matmul Act's float rows and block
 # sums (Act.x, Act.xf; call Act.mark(T) afterwards).
 
+@njit(cache=True, fastmath={"reassoc", "contract", "nsz", "arcp"}, inline="always")
+def exp_neg(x):
+    """exp(x) for x <= 0 (softmax weights, SiLU): Cody-Waite reduction + a degree-5 minimax polynomial, <= 1.1 ulp;
+    branch-free so a loop of it vectorizes.  x < -87 (or -inf) gives 0."""
+    xc = max(x, np.float32(-87.0))
+    k = np.floor(xc * np.float32(1.4426950408889634) + np.float32(0.5))
+    r = xc - k * np.float32(0.693359375)             # ln 2 in two parts (Cody-Waite)
+    r = r + k * np.float32(2.12194440e-4)
+    p = np.float32(1.9875691500e-4)                  # Cephes expf's minimax polynomial: <= 1.1 ulp here
+    p = p * r + np.float32(1.3981999507e-3)
+    p = p * r + np.float32(8.3334519073e-3)
+    p = p * r + np.float32(4.1665795894e-2)
+    p = p * r + np.float32(1.6666665459e-1)
+    p = p * r + np.float32(5.0000001201e-1)
+    p = p * (r * r) + r + np.float32(1.0)
+    e = bits_f32(np.uint32((np.int32(k) + 127) << 23))
+    return p * e if x >= np.float32(-87.0) else np.float32(0.0)
+
+
 @njit(cache=True, nogil=True, fastmath=True, inline="always")
 def _block_sums(X, XF, t):
     for b in range(XF.shape[1]):
@@ -175,14 +196,15 @@ def add_rmsnorm_act(x, y, w, eps, X, XF):
     rmsnorm_act(x, w, eps, X, XF)
 
 
-@njit(cache=True, nogil=True, fastmath=True)
+@njit(cache=True, nogil=True, fastmath=True, error_model="numpy")
 def swiglu_act(g, u, X, XF):
     # X[:T] = silu(g) * u, XF its block sums
     T, F = g.shape
     for t in range(T):
         for i in range(F):
             a = g[t, i]
-            X[t, i] = a / (1.0 + np.exp(-a)) * u[t, i]
+            e = exp_neg(-abs(a))               # silu(a) = a / (1 + exp(-a)), from exp(-|a|) <= 1
+            X[t, i] = (a if a >= np.float32(0.0) else a * e) / (np.float32(1.0) + e) * u[t, i]
         _block_sums(X, XF, t)
 
 
