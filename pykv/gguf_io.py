@@ -13,8 +13,9 @@ from gguf.constants import GGML_QUANT_SIZES
 
 from .config import Config, ModelFileError, PykvError
 
-# Weight types the matmul kernels execute.
-WEIGHT_TYPES = {T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K}
+# the 2-D weight types pykv runs (kernels.matmul.SUPPORTED_TYPES: tests/test_matmul checks they agree)
+WEIGHT_TYPES = {T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.IQ4_NL, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K,
+                T.Q6_K}
 GGUF_MAGIC = b"GGUF"
 
 

@@ -7,8 +7,8 @@ from gguf import quants
 
 from pykv.kernels import matmul as M
 
-TYPES = [GT.F32, GT.F16, GT.BF16, GT.Q8_0, GT.Q4_0, GT.Q4_1, GT.Q5_0, GT.Q5_1, GT.Q2_K, GT.Q3_K, GT.Q4_K,
-         GT.Q5_K, GT.Q6_K]
+TYPES = [GT.F32, GT.F16, GT.BF16, GT.Q8_0, GT.Q4_0, GT.Q4_1, GT.Q5_0, GT.Q5_1, GT.IQ4_NL, GT.Q2_K, GT.Q3_K,
+         GT.Q4_K, GT.Q5_K, GT.Q6_K]
 K_TYPES = (GT.Q2_K, GT.Q3_K, GT.Q4_K, GT.Q5_K, GT.Q6_K)
 # byte offsets of the f16 super-block scales: (d, dmin) or (d,) for the symmetric types
 _K_SCALES = {GT.Q2_K: (80, 82), GT.Q3_K: (108,), GT.Q4_K: (0, 2), GT.Q5_K: (0, 2), GT.Q6_K: (208,)}
@@ -39,6 +39,14 @@ def make_weight(t, rows, cols, rng):
         for o in offs:
             blocks[:, o:o + 2] = _f16_bytes(rng.uniform(lo, 0.02, nb))
         data = blocks.reshape(rows, -1)
+    elif t == GT.IQ4_NL:
+        # gguf cannot quantize IQ4_NL: pykv's port of llama-quantize's quantize_iq4_nl makes the blocks,
+        # gguf.quants dequantizes them (the reference below)
+        from pykv.kernels.kvquant import quantize_row_iq4_nl
+        x = rng.standard_normal((rows, cols)).astype(np.float32)
+        data = np.zeros((rows, cols // 32 * 18), np.uint8)
+        for r in range(rows):
+            quantize_row_iq4_nl(x[r], data[r], 7)
     else:
         data = quants.quantize(rng.standard_normal((rows, cols)).astype(np.float32), t)
     ref = quants.dequantize(data, t).astype(np.float64).reshape(rows, cols)
@@ -341,3 +349,9 @@ def test_nonfinite_scale_keeps_generic_kernel(gt, bad):
             M.matmul(w, act, out)
             assert not np.isfinite(out[:, 5]).any(), (w, out[:, 5])
             assert_kernel_result(w, x, ref_w[ok], out[:, ok])
+
+
+def test_loader_weight_types_are_the_kernels():
+    """The loader's accepted weight types (gguf_io, read before Numba loads) are exactly what matmul runs."""
+    from pykv.gguf_io import WEIGHT_TYPES
+    assert {int(t) for t in WEIGHT_TYPES} == set(M.SUPPORTED_TYPES)

@@ -43,6 +43,8 @@ def t32(kind, qt, sc, xq, xd, xs, out):
             K.dot_tile_q40(qt[tile], sc[tile], xq, xd, xs, xd.shape[0], o)
         elif kind == 4:
             K.dot_tile_q50(qt[tile], sc[tile], xq, xd, xs, xd.shape[0], o)
+        elif kind == 5:
+            K.dot_tile_iq4(qt[tile], sc[tile], xq, xd, xs, xd.shape[0], o)
         else:
             K.dot_tile_q8(qt[tile], sc[tile], xq, xd, xs, xd.shape[0], o)
 
@@ -63,6 +65,7 @@ def tk(kind, qt, xq, xd, xb, out):
 rng = np.random.default_rng(3)
 rows = 40
 cases = [(GT.Q4_1, 0, 256), (GT.Q4_0, 3, 256), (GT.Q5_0, 4, 256), (GT.Q5_1, 1, 256), (GT.Q8_0, 2, 256),
+         (GT.IQ4_NL, 5, 256),
          (GT.Q4_K, 0, 512), (GT.Q5_K, 1, 512), (GT.Q6_K, 2, 512)]
 compiled = set()
 for gt, kind, cols in cases:

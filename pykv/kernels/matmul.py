@@ -15,6 +15,7 @@ Block layouts (ggml, little endian; "d"/"m" are f16):
     Q4_1  20 B / 32: d, m, qs[16]                           x = d*q + m
     Q5_0  22 B / 32: d, qh u32, qs[16] (bit j of qh = bit 4 of element j)   x = d*(q-16)
     Q5_1  24 B / 32: d, m, qh u32, qs[16]                   x = d*q + m
+    IQ4_NL 18 B / 32: d, qs[16] (as Q4_0)                   x = d*kvalues_iq4nl[q] (16 int8 levels)
     Q2_K  84 B / 256: scales[16] (lo nibble sc, hi nibble m), qs[64], d, dmin
           element 128h + 32k + l: q = (qs[32h + l] >> 2k) & 3, x = d*sc[e//16]*q - dmin*m[e//16]
     Q3_K 110 B / 256: hmask[32], qs[64], scales[12] (16 x 6-bit, stored +32), d
@@ -34,8 +35,8 @@ always use float x.
 
 Integer-dot tiles (kernels.tiles: one source for the AVX-512 VNNI, AVX-VNNI, AVX2 and generic-vector
 classes, chosen by what Numba compiles for), repacked at load:
-  * Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0: tiles of TILE_ROWS rows whose 32-bit lanes hold 4 columns of
-    one row, against q8_0 activations (llama.cpp's exact q4_0 ... q8_0 x q8 dot products).
+  * Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / IQ4_NL: tiles of TILE_ROWS rows whose 32-bit lanes hold 4 columns of
+    one row, against q8_0 activations (llama.cpp's exact q4_0 ... q8_0, iq4_nl x q8 dot products).
   * Q4_K / Q5_K / Q6_K: tiles of KTILE_ROWS rows per 256-column super-block, against q8_K activations.
   One kernel per family serves decode and prefill (work items: tile x 16 tokens); each call quantizes
   its activation rows first unless the Act holds them.  Measured on SmolLM2 (2 threads, Zen 5, AVX-512
@@ -54,7 +55,7 @@ import numba
 from gguf import GGMLQuantizationType as _GT
 
 from ..formats import KV_FORMATS
-from .blocks import deq_rows, rd_f16
+from .blocks import KVALUES_IQ4NL, deq_rows, rd_f16
 from .simd import h2f
 from .tiles import (ISA, KTILE_ROWS, TILE_ROWS, dot_ktile_q4k, dot_ktile_q5k, dot_ktile_q6k, dot_tile_by,
                     repack_ktile)
@@ -68,12 +69,14 @@ _FM = {"contract", "reassoc", "nsz", "arcp"}
 F32, F16, BF16 = int(_GT.F32), int(_GT.F16), int(_GT.BF16)
 Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = int(_GT.Q4_0), int(_GT.Q4_1), int(_GT.Q5_0), int(_GT.Q5_1), int(_GT.Q8_0)
 Q2_K, Q3_K, Q4_K, Q5_K, Q6_K = int(_GT.Q2_K), int(_GT.Q3_K), int(_GT.Q4_K), int(_GT.Q5_K), int(_GT.Q6_K)
+IQ4_NL = int(_GT.IQ4_NL)
 
 # ggml type -> (elements per block, bytes per block)
 _BLOCK = {
     F32: (1, 4), F16: (1, 2), BF16: (1, 2),
     Q8_0: (32, 34), Q4_0: (32, 18), Q4_1: (32, 20), Q5_0: (32, 22), Q5_1: (32, 24),
     Q2_K: (256, 84), Q3_K: (256, 110), Q4_K: (256, 144), Q5_K: (256, 176), Q6_K: (256, 210),
+    IQ4_NL: (32, 18),
 }
 SUPPORTED_TYPES = tuple(_BLOCK)
 _KV_CODE = np.full(max(_BLOCK) + 1, -1, np.int64)       # ggml type -> pykv.formats code (same bytes)
@@ -374,6 +377,15 @@ def _dot_q8_generic(kind, w, xq, xd, xs):
                 v = np.int32(w[o + 2 + j])
                 isum += (v & 15) * np.int32(xq[32 * b + j]) + (v >> 4) * np.int32(xq[32 * b + j + 16])
             acc += rd_f16(w, o) * xd[b] * np.float32(isum - 8 * xs[b])
+    elif kind == IQ4_NL:
+        for b in range(nb):
+            o = 18 * b
+            isum = np.int32(0)
+            for j in range(16):
+                v = np.int32(w[o + 2 + j])
+                isum += (np.int32(KVALUES_IQ4NL[v & 15]) * np.int32(xq[32 * b + j])
+                         + np.int32(KVALUES_IQ4NL[v >> 4]) * np.int32(xq[32 * b + j + 16]))
+            acc += rd_f16(w, o) * xd[b] * np.float32(isum)
     elif kind == Q4_1:
         for b in range(nb):
             o = 20 * b
@@ -753,7 +765,7 @@ def _repack_tiles(gt, raw, rows, cols, R, itile):
         q = blk[:, :, 2:34] if itile else blk[:, :, 2:34].view(np.int8)
         sc = d[:, :, None, :] if itile else d
     else:
-        qo = {Q4_0: 2, Q4_1: 4, Q5_0: 6, Q5_1: 8}[gt]
+        qo = {Q4_0: 2, Q4_1: 4, Q5_0: 6, Q5_1: 8, IQ4_NL: 2}[gt]
         q = blk[:, :, qo:qo + 16]
         if gt in (Q4_1, Q5_1):
             m = _f16_bits(blk[:, :, 2:4]).reshape(nt, R, nb).transpose(0, 2, 1)
@@ -761,7 +773,7 @@ def _repack_tiles(gt, raw, rows, cols, R, itile):
             z = np.float16(-8.0 if gt == Q4_0 else -16.0)
             m = (np.ascontiguousarray(d).view(np.float16) * z).view(np.uint16)
         # integer Q4_0 / Q5_0 tiles keep d only (the dot subtracts z * sum(x), kernels.tiles' Q40 / Q50)
-        sc = d[:, :, None, :] if itile and gt in (Q4_0, Q5_0) else np.stack([d, m], axis=2)
+        sc = d[:, :, None, :] if itile and gt in (Q4_0, Q5_0, IQ4_NL) else np.stack([d, m], axis=2)
         if gt in (Q5_0, Q5_1):      # qh -> a fifth 4-byte group (kernels.tiles.dot_tile_q5's layout)
             qh = np.ascontiguousarray(blk[:, :, qo - 4:qo]).view(np.uint32)[..., 0]
             bits = ((qh[..., None] >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
@@ -788,12 +800,13 @@ _KIND_ITILE_Q8 = 4   # integer-dot tiles, Q8_0
 _KIND_ITILE_Q5 = 6   # integer-dot tiles, Q5_1
 _KIND_ITILE_Q40 = 7  # integer-dot tiles, Q4_0 (d only: llama.cpp's sum(q x) - 8 sum(x))
 _KIND_ITILE_Q50 = 8  # integer-dot tiles, Q5_0 (d only)
+_KIND_ITILE_IQ4 = 9  # integer-dot tiles, IQ4_NL (d only, nibbles through llama.cpp's int8 levels)
 _KIND_KTILE = 5      # integer-dot K-quant tiles, Q4_K / Q5_K / Q6_K (q8_K activations)
-_ITILE_KINDS = (_KIND_ITILE_Q4, _KIND_ITILE_Q5, _KIND_ITILE_Q8, _KIND_ITILE_Q40, _KIND_ITILE_Q50)   # q8_0 activations
+_ITILE_KINDS = (_KIND_ITILE_Q4, _KIND_ITILE_Q5, _KIND_ITILE_Q8, _KIND_ITILE_Q40, _KIND_ITILE_Q50, _KIND_ITILE_IQ4)   # q8_0 activations
 _INT_KINDS = _ITILE_KINDS + (_KIND_KTILE,)
 # the integer tile dot of a literal _KIND_ITILE_* kind (only the kinds a kernel is called with compile)
 _dot_itile = dot_tile_by({_KIND_ITILE_Q4: "q4", _KIND_ITILE_Q5: "q5", _KIND_ITILE_Q8: "q8", _KIND_ITILE_Q40: "q40",
-                          _KIND_ITILE_Q50: "q50"})
+                          _KIND_ITILE_Q50: "q50", _KIND_ITILE_IQ4: "iq4"})
 _KTILE_FMT = {Q4_K: "q4k", Q5_K: "q5k", Q6_K: "q6k"}
 
 
@@ -873,10 +886,10 @@ def prepare_weight(ggml_type: int, data: np.ndarray, rows: int, cols: int, q8_ac
         w.fw = raw.view(np.float32)
     elif gt in (F16, BF16):
         w.fw = raw.view(np.uint16)
-    elif gt in (Q4_0, Q4_1, Q8_0) or (gt in (Q5_0, Q5_1) and q8_act):
+    elif gt in (Q4_0, Q4_1, Q8_0) or (gt in (Q5_0, Q5_1, IQ4_NL) and q8_act):
         if q8_act:
             R, kind = TILE_ROWS, {Q8_0: _KIND_ITILE_Q8, Q5_0: _KIND_ITILE_Q50, Q5_1: _KIND_ITILE_Q5,
-                                  Q4_0: _KIND_ITILE_Q40, Q4_1: _KIND_ITILE_Q4}[gt]
+                                  Q4_0: _KIND_ITILE_Q40, Q4_1: _KIND_ITILE_Q4, IQ4_NL: _KIND_ITILE_IQ4}[gt]
         else:
             R, kind = (_R_Q8, _KIND_TILE_Q8) if gt == Q8_0 else (_R_Q4, _KIND_TILE_Q4)
         qt, sc = _repack_tiles(gt, raw, rows, cols, R, q8_act)

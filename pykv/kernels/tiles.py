@@ -15,7 +15,8 @@ The class is what Numba compiles for (its target CPU name and features), so NUMB
 NUMBA_CPU_FEATURES overrides select it too (Numba's cache keys on both, so cached code matches).
 
 Two tile families (layouts below, `repack_*` build them from ggml rows):
-  * dot_tile_q4 / q5 / q40 / q50 / q8: Q4_1, Q5_1, Q4_0, Q5_0, Q8_0 against q8_0 activation blocks of 32 (TILE_ROWS rows).
+  * dot_tile_q4 / q5 / q40 / q50 / q8 / iq4: Q4_1, Q5_1, Q4_0, Q5_0, Q8_0, IQ4_NL against q8_0 activation blocks
+    of 32 (TILE_ROWS rows).
   * dot_ktile (Q4_K, Q5_K, Q6_K): against q8_K activation blocks of 256 with int sums per 16
     (llama.cpp's q8_K), KTILE_ROWS = L rows: each row's dot equals llama.cpp's vec_dot_qX_K_q8_K.
 """
@@ -28,6 +29,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from .blocks import KVALUES_IQ4NL
 from .simd import F32, I8, I16, I32, I64, _data, _fpext_half, _prefetch, _splat, _vec
 
 ISA_CLASSES = ("generic", "avx2", "avxvnni", "avx512vnni")
@@ -172,6 +174,21 @@ def _bdot(builder, pairs, umax, scale=None, signed=False):
     return acc if scale is None else builder.mul(acc, scale)
 
 
+def _lut16(builder, idx, table):
+    """<4L x i8>: table[idx] per byte (idx 0..15; table: 16 int8).  One vpshufb on x86 (the table in
+    every 128-bit lane); a chain of selects in generic vector IR."""
+    n4 = 4 * L
+    vb = _vec(I8, n4)
+    if ISA in ("avx512vnni", "avxvnni", "avx2"):
+        name = "llvm.x86.avx512.pshuf.b.512" if L == 16 else "llvm.x86.avx2.pshuf.b"
+        return _call(builder, name, vb, [ir.Constant(vb, [int(v) for v in table] * (n4 // 16)), idx])
+    out = ir.Constant(vb, [int(table[0])] * n4)
+    for k in range(1, 16):
+        hit = builder.icmp_unsigned("==", idx, ir.Constant(vb, [k] * n4))
+        out = builder.select(hit, ir.Constant(vb, [int(table[k])] * n4), out)
+    return out
+
+
 # ----------------------------------------------------------------------------------------------------
 # tile kernels (intrinsics).  No bounds checks: callers pass whole tiles.
 # ----------------------------------------------------------------------------------------------------
@@ -215,12 +232,15 @@ def _tile_dot(fmt):
           row . x = sum_b d*xd_b * (sum_j q_j xq_j - z xs_b)   (z = 8 / 16: llama.cpp's q4_0 / q5_0 dot)
       Q8 (Q8_0): qt uint8 [nb][8 groups][R rows][4 bytes] = ggml's int8 qs;  sc uint16 [nb][1][R] = f16 d.
           row . x = sum_b d*xd_b * sum_j q_j xq_j
+      IQ4 (IQ4_NL): as Q40 (nibbles, d only); each nibble indexes llama.cpp's 16 int8 levels
+          (kvalues_iq4nl) before the signed dot: row . x = sum_b d*xd_b * sum_j kv[q_j] xq_j
     x is llama.cpp's q8_0 activation: xq int8 [nb*32], xd f32 [nb], xs int32 [nb].  These are llama.cpp's
     q4_0/q4_1/q5_0/q5_1/q8_0 x q8 dot products: the per-block int32 sums are exact, then scaled in float."""
     q4 = fmt != "q8"                           # nibble formats
+    nl = fmt == "iq4"                          # nibbles index a table of int8 levels (signed dot)
     q5 = fmt in ("q5", "q50")                  # with the fifth (high bit) group
     z = {"q40": 8, "q50": 16}.get(fmt, 0)      # offset form: no m
-    hasm = q4 and not z
+    hasm = q4 and not z and not nl
     nsc = 2 if hasm else 1                     # f16 scales per row per block
     groups = 4 if q4 else 8
     stride = (groups + q5) * 4                 # bytes per row per block
@@ -278,10 +298,12 @@ def _tile_dot(fmt):
                             if q5:
                                 lo = builder.or_(lo, hbit(jj))
                                 hi = builder.or_(hi, hbit(4 + jj))
+                            if nl:
+                                lo, hi = _lut16(builder, lo, KVALUES_IQ4NL), _lut16(builder, hi, KVALUES_IQ4NL)
                             pairs += [(lo, xs[jj][0]), (hi, xs[jj][1])]
                         else:
                             pairs.append((w, xs[jj]))
-                    a = _bdot(builder, pairs, 31 if q5 else 15, signed=not q4)
+                    a = _bdot(builder, pairs, 31 if q5 else 15, signed=nl or not q4)
                     if z:
                         a = builder.sub(a, zxs)
                     d = _halves(builder, scp, builder.add(sb, _c(L * k)))
@@ -302,6 +324,7 @@ dot_tile_q5 = intrinsic(_tile_dot("q5"))
 dot_tile_q40 = intrinsic(_tile_dot("q40"))
 dot_tile_q50 = intrinsic(_tile_dot("q50"))
 dot_tile_q8 = intrinsic(_tile_dot("q8"))
+dot_tile_iq4 = intrinsic(_tile_dot("iq4"))
 
 
 def dot_tile_by(fmts):

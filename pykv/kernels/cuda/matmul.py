@@ -21,7 +21,8 @@ import numpy as np
 from numba import cuda
 
 from .. import matmul as _cpu
-from ..matmul import BF16, F16, F32, Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q8_0, SUPPORTED_TYPES
+from ..blocks import IQ4NL_F
+from ..matmul import BF16, F16, F32, IQ4_NL, Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q8_0, SUPPORTED_TYPES
 from . import SIM, WL, grid, warp_sums
 
 __all__ = ["Weight", "Act", "prepare_weight", "matmul", "matmul_fused", "get_rows", "SUPPORTED_TYPES"]
@@ -78,6 +79,9 @@ def w_elem(kind, raw, fw, r, e):
         if asym:
             return rd_f16(w, o) * f32(q) + rd_f16(w, o + 2)
         return rd_f16(w, o) * f32(q - 8)
+    if kind == IQ4_NL:
+        o = 18 * b
+        return rd_f16(w, o) * IQ4NL_F[(np.int32(w[o + 2 + (j & 15)]) >> (4 * (j >> 4))) & 15]
     if kind == Q5_0 or kind == Q5_1:
         asym = kind == Q5_1
         o = 24 * b if asym else 22 * b
