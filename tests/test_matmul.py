@@ -351,6 +351,81 @@ def test_nonfinite_scale_keeps_generic_kernel(gt, bad):
             assert_kernel_result(w, x, ref_w[ok], out[:, ok])
 
 
+def _f16_at(blk, o):
+    return blk[..., o:o + 2].copy().view(np.float16)[..., 0].astype(np.float32)
+
+
+def llama_k_ints(t, blk):
+    """Q2_K / Q3_K super-blocks blk uint8 (..., bytes) decoded as llama.cpp's vec_dot reads them:
+    (q int (..., 16, 16) per sub-block of 16, scale int (..., 16), min int (..., 16) (Q3_K: 0), d, dmin)."""
+    lead = blk.shape[:-1]
+    shift = np.arange(0, 8, 2).reshape(4, 1)
+    if t == GT.Q2_K:
+        qs = blk[..., 16:80].reshape(*lead, 2, 1, 32)
+        q = ((qs >> shift) & 3).astype(np.int64)                       # element 128h + 32k + l
+        sc, mn = (blk[..., 0:16] & 15).astype(np.int64), (blk[..., 0:16] >> 4).astype(np.int64)
+        d, dmin = _f16_at(blk, 80), _f16_at(blk, 82)
+    else:
+        qs = blk[..., 32:96].reshape(*lead, 2, 1, 32)
+        hm = blk[..., 0:32].reshape(*lead, 1, 32) >> np.arange(8).reshape(8, 1)   # element 32t + l
+        q = ((qs >> shift) & 3).astype(np.int64) - 4 * (1 - (hm & 1).reshape(*lead, 2, 4, 32))
+        s = blk[..., 96:108].astype(np.int64)
+        j = np.arange(16)
+        low = np.where(j < 8, s[..., j % 8] & 15, s[..., j % 8] >> 4)
+        sc = (low | (((s[..., 8 + j % 4] >> (2 * (j // 4))) & 3) << 4)) - 32
+        mn = np.zeros_like(sc)
+        d, dmin = _f16_at(blk, 108), np.zeros(lead, np.float32)
+    return q.reshape(*lead, 16, 16), sc, mn, d, dmin
+
+
+def llama_vec_dot_k(t, blk, xq, xd):
+    """llama.cpp's vec_dot_q2_K_q8_K / vec_dot_q3_K_q8_K (reference C) in numpy: blk (rows, nsb, bytes),
+    q8_K activations xq int8 (nsb * 256,), xd f32 (nsb,) -> (rows,) float64, and each dot's error scale."""
+    q, sc, mn, d, dmin = llama_k_ints(t, blk)
+    x = xq.astype(np.int64).reshape(-1, 16, 16)
+    isum = (sc * (q * x).sum(-1)).sum(-1)                               # exact int sums per super-block
+    msum = (mn * x.sum(-1)).sum(-1)
+    xd = xd.astype(np.float64)
+    ref = (xd * (d * isum - dmin * msum)).sum(-1)
+    scale = (np.abs(xd) * (np.abs(d) * (np.abs(sc) * np.abs(q * x).sum(-1)).sum(-1)
+                           + np.abs(dmin) * np.abs(mn * x.sum(-1)).sum(-1))).sum(-1)
+    return ref, scale
+
+
+@pytest.mark.parametrize("source", ["random", "quantized"])
+@pytest.mark.parametrize("t", [GT.Q2_K, GT.Q3_K], ids=lambda t: t.name)
+def test_q23k_tiles_equal_llama_cpp_integer_dot(t, source, threads):
+    """The Q2_K / Q3_K K tiles compute llama.cpp's integer dot against q8_K: random valid blocks and
+    pykv's quantizer's blocks (== llama-quantize's, test_kquant), the emulation anchored to gguf."""
+    from pykv import convert as C
+    rng = np.random.default_rng(17 + int(t))
+    rows, cols, T = 37, 768, 3                  # a partial last row tile
+    if source == "random":
+        data, ref_w = make_weight(t, rows, cols, rng)
+    else:
+        data = C.encode(rng.standard_normal((rows, cols)).astype(np.float32) * np.float32(0.05), t)
+        ref_w = quants.dequantize(data, t).astype(np.float64).reshape(rows, cols)
+    blk = np.ascontiguousarray(data).view(np.uint8).reshape(rows, cols // 256, -1)
+    # the emulation's decoding is ggml's: d * sc * q (- dmin * m) equals gguf's dequantize bit for bit
+    q, sc, mn, d, dmin = llama_k_ints(t, blk)
+    deq = (d[..., None, None] * sc[..., None].astype(np.float32)) * q.astype(np.float32) \
+        - dmin[..., None, None] * mn[..., None].astype(np.float32)
+    assert np.array_equal(deq.reshape(rows, cols).astype(np.float64), ref_w)
+    w = M.prepare_weight(int(t), data, rows, cols)
+    assert w.kind == M._KIND_KTILE and w.act_block == 256, w
+    x = rng.standard_normal((T, cols)).astype(np.float32)
+    x[1] *= np.float32(40)
+    act = M.Act(cols, T)
+    act.set(x)
+    out = np.full((T, rows), np.nan, np.float32)
+    M.matmul(w, act, out)
+    xq, xd, xb = np.zeros((T, cols), np.int8), np.zeros((T, cols // 256), np.float32), np.zeros((T, cols // 16), np.int32)
+    M.quantize_act_q8k(x, T, xq, xd, xb)
+    for i in range(T):
+        ref, scale = llama_vec_dot_k(t, blk, xq[i], xd[i])
+        assert np.all(np.abs(out[i] - ref) <= 1e-6 * scale + 1e-30), (i, np.abs(out[i] - ref).max(), scale.max())
+
+
 def test_loader_weight_types_are_the_kernels():
     """The loader's accepted weight types (gguf_io, read before Numba loads) are exactly what matmul runs."""
     from pykv.gguf_io import WEIGHT_TYPES

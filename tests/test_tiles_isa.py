@@ -23,7 +23,7 @@ import numba
 import numpy as np
 from numba import njit
 sys.path.insert(0, sys.argv[3])
-from test_matmul import GT, M, make_weight, q8_emulate
+from test_matmul import GT, M, llama_vec_dot_k, make_weight, q8_emulate
 from pykv.kernels import tiles as K
 
 expected, run = sys.argv[1], sys.argv[2] == "1"
@@ -58,6 +58,10 @@ def tk(kind, qt, xq, xd, xb, out):
             K.dot_ktile_q4k(qt[tile], xq, xd, xb, xd.shape[0], o)
         elif kind == 1:
             K.dot_ktile_q5k(qt[tile], xq, xd, xb, xd.shape[0], o)
+        elif kind == 3:
+            K.dot_ktile_q2k(qt[tile], xq, xd, xb, xd.shape[0], o)
+        elif kind == 4:
+            K.dot_ktile_q3k(qt[tile], xq, xd, xb, xd.shape[0], o)
         else:
             K.dot_ktile_q6k(qt[tile], xq, xd, xb, xd.shape[0], o)
 
@@ -66,7 +70,7 @@ rng = np.random.default_rng(3)
 rows = 40
 cases = [(GT.Q4_1, 0, 256), (GT.Q4_0, 3, 256), (GT.Q5_0, 4, 256), (GT.Q5_1, 1, 256), (GT.Q8_0, 2, 256),
          (GT.IQ4_NL, 5, 256),
-         (GT.Q4_K, 0, 512), (GT.Q5_K, 1, 512), (GT.Q6_K, 2, 512)]
+         (GT.Q4_K, 0, 512), (GT.Q5_K, 1, 512), (GT.Q6_K, 2, 512), (GT.Q2_K, 3, 512), (GT.Q3_K, 4, 512)]
 compiled = set()
 for gt, kind, cols in cases:
     data, ref_w = make_weight(gt, rows, cols, rng)
@@ -94,6 +98,10 @@ for gt, kind, cols in cases:
     ref = q8_emulate(x, w.act_block)[0] @ ref_w.T
     err = np.abs(out[:rows] - ref).max()
     assert err <= 1e-5 * np.abs(ref).max(), (gt.name, err)
+    if gt in (GT.Q2_K, GT.Q3_K):    # and llama.cpp's integer dot, tightly
+        blk = np.ascontiguousarray(data).view(np.uint8).reshape(rows, cols // 256, -1)
+        ref, scale = llama_vec_dot_k(gt, blk, xq, xd[0])
+        assert np.all(np.abs(out[:rows] - ref) <= 1e-6 * scale + 1e-30), gt.name
 print("ok", K.ISA, "ran" if run else "compiled")
 '''
 

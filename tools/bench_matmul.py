@@ -32,6 +32,10 @@ def load(path):
     return ws
 
 
+# byte offsets of each K-quant's f16 super-block scales
+_K_SCALES = {GT.Q2_K: (80, 82), GT.Q3_K: (108,), GT.Q4_K: (0, 2), GT.Q5_K: (0, 2), GT.Q6_K: (208,)}
+
+
 def synth(ggml_type, shapes, rng):
     """Weights of another type with the model's shapes (random data)."""
     out = []
@@ -43,10 +47,10 @@ def synth(ggml_type, shapes, rng):
             data = x
         elif ggml_type == GT.F16:
             data = x.astype(np.float16)
-        elif ggml_type in (GT.Q4_K, GT.Q5_K, GT.Q6_K):
+        elif ggml_type in _K_SCALES:     # gguf cannot quantize K-quants: random blocks
             bpb = M._BLOCK[int(ggml_type)][1]
             data = rng.integers(0, 256, size=(rows, cols // 256, bpb), dtype=np.uint8)
-            for o in ((208,) if ggml_type == GT.Q6_K else (0, 2)):      # finite f16 super-block scales
+            for o in _K_SCALES[ggml_type]:                                 # finite f16 super-block scales
                 data[:, :, o:o + 2] = rng.uniform(0, 0.02, (rows, cols // 256, 1)).astype(np.float16).view(np.uint8)
             data = data.reshape(rows, -1)
         else:

@@ -37,11 +37,12 @@ Integer-dot tiles (kernels.tiles: one source for the AVX-512 VNNI, AVX-VNNI, AVX
 classes, chosen by what Numba compiles for), repacked at load:
   * Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / IQ4_NL: tiles of TILE_ROWS rows whose 32-bit lanes hold 4 columns of
     one row, against q8_0 activations (llama.cpp's exact q4_0 ... q8_0, iq4_nl x q8 dot products).
-  * Q4_K / Q5_K / Q6_K: tiles of KTILE_ROWS rows per 256-column super-block, against q8_K activations.
+  * Q2_K / Q3_K / Q4_K / Q5_K / Q6_K: tiles of KTILE_ROWS rows per 256-column super-block, against q8_K
+    activations (scales unpacked at load to a byte per sub-block and row).
   One kernel per family serves decode and prefill (work items: tile x 16 tokens); each call quantizes
   its activation rows first unless the Act holds them.  Measured on SmolLM2 (2 threads, Zen 5, AVX-512
   VNNI): decode 35 GB/s of weights from DRAM (2.9x the float tiles), prefill 3.9x dequantize + sgemm.
-  Q2_K / Q3_K (and any weight with a non-finite f16 scale) run the generic per-row q8 kernel.
+  Any weight with a non-finite f16 scale runs the generic per-row q8 kernel.
 With q8_act=False, Q4_0 / Q4_1 / Q8_0 use float-activation tiles (vectorized across rows); prefill
 (T >= _BLAS_MIN_T) then goes through each of numba.get_num_threads() Python threads dequantizing its
 share of the row tiles to a float32 W^T chunk and calling a single-threaded sgemm.
@@ -57,8 +58,8 @@ from gguf import GGMLQuantizationType as _GT
 from ..formats import KV_FORMATS
 from .blocks import KVALUES_IQ4NL, deq_rows, rd_f16
 from .simd import h2f
-from .tiles import (ISA, KTILE_ROWS, TILE_ROWS, dot_ktile_q4k, dot_ktile_q5k, dot_ktile_q6k, dot_tile_by,
-                    repack_ktile)
+from .tiles import (ISA, KTILE_ROWS, TILE_ROWS, dot_ktile_q2k, dot_ktile_q3k, dot_ktile_q4k, dot_ktile_q5k,
+                    dot_ktile_q6k, dot_tile_by, repack_ktile)
 
 __all__ = ["Weight", "Act", "prepare_weight", "matmul", "matmul_fused", "get_rows", "set_exact", "quantize_act_q8",
            "quantize_act_q8k", "SUPPORTED_TYPES", "ISA"]
@@ -701,7 +702,11 @@ def _mm_ktile(gt, quant, qt, rows, T, X, XQ, XD, XB, tail, out):
         full = r0 + R <= rows
         for t in range(t0, min(T, t0 + _ITILE_TB)):
             o = out[t, r0:r0 + R] if full else tail[t, :R]
-            if gt == Q4_K:
+            if gt == Q2_K:
+                dot_ktile_q2k(qt[tile], XQ[t], XD[t], XB[t], nsb, o)
+            elif gt == Q3_K:
+                dot_ktile_q3k(qt[tile], XQ[t], XD[t], XB[t], nsb, o)
+            elif gt == Q4_K:
                 dot_ktile_q4k(qt[tile], XQ[t], XD[t], XB[t], nsb, o)
             elif gt == Q5_K:
                 dot_ktile_q5k(qt[tile], XQ[t], XD[t], XB[t], nsb, o)
@@ -801,13 +806,15 @@ _KIND_ITILE_Q5 = 6   # integer-dot tiles, Q5_1
 _KIND_ITILE_Q40 = 7  # integer-dot tiles, Q4_0 (d only: llama.cpp's sum(q x) - 8 sum(x))
 _KIND_ITILE_Q50 = 8  # integer-dot tiles, Q5_0 (d only)
 _KIND_ITILE_IQ4 = 9  # integer-dot tiles, IQ4_NL (d only, nibbles through llama.cpp's int8 levels)
-_KIND_KTILE = 5      # integer-dot K-quant tiles, Q4_K / Q5_K / Q6_K (q8_K activations)
+_KIND_KTILE = 5      # integer-dot K-quant tiles, Q2_K ... Q6_K (q8_K activations)
 _ITILE_KINDS = (_KIND_ITILE_Q4, _KIND_ITILE_Q5, _KIND_ITILE_Q8, _KIND_ITILE_Q40, _KIND_ITILE_Q50, _KIND_ITILE_IQ4)   # q8_0 activations
 _INT_KINDS = _ITILE_KINDS + (_KIND_KTILE,)
 # the integer tile dot of a literal _KIND_ITILE_* kind (only the kinds a kernel is called with compile)
 _dot_itile = dot_tile_by({_KIND_ITILE_Q4: "q4", _KIND_ITILE_Q5: "q5", _KIND_ITILE_Q8: "q8", _KIND_ITILE_Q40: "q40",
                           _KIND_ITILE_Q50: "q50", _KIND_ITILE_IQ4: "iq4"})
-_KTILE_FMT = {Q4_K: "q4k", Q5_K: "q5k", Q6_K: "q6k"}
+_KTILE_FMT = {Q2_K: "q2k", Q3_K: "q3k", Q4_K: "q4k", Q5_K: "q5k", Q6_K: "q6k"}
+# byte offsets of each K-quant's f16 super-block scales (d, and dmin where there is one)
+_K_F16 = {Q2_K: (80, 82), Q3_K: (108,), Q4_K: (0, 2), Q5_K: (0, 2), Q6_K: (208,)}
 
 
 class Weight:
@@ -900,8 +907,7 @@ def prepare_weight(ggml_type: int, data: np.ndarray, rows: int, cols: int, q8_ac
     elif gt in _KTILE_FMT and q8_act:
         R = KTILE_ROWS
         blk = raw.reshape(rows, -1, bb)
-        offs = (208,) if gt == Q6_K else (0, 2)
-        if all(_finite_f16(_f16_bits(blk[:, :, o:o + 2])) for o in offs):
+        if all(_finite_f16(_f16_bits(blk[:, :, o:o + 2])) for o in _K_F16[gt]):
             pad = -rows % R
             if pad:
                 blk = np.concatenate([blk, np.zeros((pad,) + blk.shape[1:], np.uint8)])

@@ -17,7 +17,7 @@ NUMBA_CPU_FEATURES overrides select it too (Numba's cache keys on both, so cache
 Two tile families (layouts below, `repack_*` build them from ggml rows):
   * dot_tile_q4 / q5 / q40 / q50 / q8 / iq4: Q4_1, Q5_1, Q4_0, Q5_0, Q8_0, IQ4_NL against q8_0 activation blocks
     of 32 (TILE_ROWS rows).
-  * dot_ktile (Q4_K, Q5_K, Q6_K): against q8_K activation blocks of 256 with int sums per 16
+  * dot_ktile (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K): against q8_K activation blocks of 256 with int sums per 16
     (llama.cpp's q8_K), KTILE_ROWS = L rows: each row's dot equals llama.cpp's vec_dot_qX_K_q8_K.
 """
 import subprocess
@@ -349,28 +349,43 @@ def dot_tile_by(fmts):
 
 # ---- K-quant tiles.  Per super-block of 256 columns, a tile of R = KTILE_ROWS rows is KBYTES[type] * R
 # contiguous bytes (offsets in units of R):
-#   Q4_K: qs [4 chunks c][8 groups jj][R][4] (byte = ggml qs[32c + 4jj + i]: low nibble sub-block 2c,
+#   Q2_K: qs [2 h][8 groups jj][R][4] (byte = ggml qs[32h + 4jj + i]: bits 2k..2k+1 = sub-block 4h+k)
+#         @0 | sc u8 [16][R] (ggml's bytes: low nibble scale, high nibble min of sub-block of 16) @64 |
+#         d f16 [R] @80 | dmin f16 [R] @82
+#   Q3_K: qs @0 (as Q2_K) | hmask [8 jj][R][4] (ggml hmask[4jj + i]: bit t = bit 2 of sub-block t) @64 |
+#         sc i8 [16][R] (the 6-bit scales minus 32) @96 | d f16 [R] @112
+#   Q4_K: qs [4 chunks c][8 jj][R][4] (byte = ggml qs[32c + 4jj + i]: low nibble sub-block 2c,
 #         high nibble 2c+1) @0 | sc u8 [8][R] @128 | m u8 [8][R] @136 | d f16 [R] @144 | dmin f16 [R] @146
-#   Q5_K: qs @0 | qh [8 jj][R][4] (ggml qh[4jj + i]: bit s = bit 4 of sub-block s) @128 | sc @160 |
+#   Q5_K: qs @0 | qh [8 jj][R][4] (ggml qh[4jj + i]: bit t = bit 4 of sub-block t) @128 | sc @160 |
 #         m @168 | d @176 | dmin @178
 #   Q6_K: ql [4 c][8 jj][R][4] (low 4 bits: sub-block 2c low nibble, 2c+1 high) @0 |
 #         qh [2 g][8 jj][R][4] (bits 2i..2i+1: high 2 bits of sub-block 4g+i) @128 |
 #         sc i8 [16][R] @192 | d f16 [R] @208
-# q value of column 32t + 4jj + i (sub-block t).  Per super-block and row, with llama.cpp's q8_K x
-# (xq int8 [256], xd f32, xb int32 [16] sums of 16):
+# q value of column 32t + 4jj + i (sub-block t of 32; q unsigned: Q3_K's 0..7 is ggml's q + 4, Q6_K's
+# 0..63 its q + 32).  Per super-block and row, with llama.cpp's q8_K x (xq int8 [256], xd f32,
+# xb int32 [16] sums of 16; h: sub-blocks of 16):
+#   Q2_K:      xd * (d * sum_h sc_h (q_h . x_h) - dmin * sum_h m_h xb_h)
+#   Q3_K:      xd * d * (sum_h sc_h (q_h . x_h) - 4 sum_h sc_h xb_h)
 #   Q4_K/Q5_K: xd * (d * sum_t sc_t (q_t . x_t) - dmin * sum_t m_t (xb_2t + xb_2t+1))
-#   Q6_K:      xd * d * (sum_h sc_h (q_h . x_h) - 32 sum_h sc_h xb_h)        (h: sub-blocks of 16)
+#   Q6_K:      xd * d * (sum_h sc_h (q_h . x_h) - 32 sum_h sc_h xb_h)
 
-KBYTES = {"q4k": 148, "q5k": 180, "q6k": 210}
+KBYTES = {"q2k": 84, "q3k": 114, "q4k": 148, "q5k": 180, "q6k": 210}
 PF_LOCALITY = 0    # weights are read once per token: non-temporal prefetches
 PF_BYTES = 4096   # bytes ahead a Q4 / Q5 / Q8 tile prefetches its weights
 KPF_AHEAD = 4      # super-blocks ahead a K tile prefetches (from DRAM the hardware prefetcher lags:
 #                    1 thread Q4_K 6.2 -> 9.1 GB/s, Q6_K 3.0 -> 4.3 measured here)
 
+# fmt -> (low bits per q in the qs plane @0, (high bits, their plane's offset) or None,
+#         offset of the per-16 scales (None: 6-bit sc / m per 32 at SB-20 / SB-12), offset z (q - z signed, no dmin))
+_KFMT = {"q2k": (2, None, 64, 0), "q3k": (2, (1, 64), 96, 4), "q4k": (4, None, None, 0),
+         "q5k": (4, (1, 128), None, 0), "q6k": (4, (2, 128), 192, 32)}
+
 
 def _ktile_dot(fmt):
     """Intrinsic (qt, xq, xd, xb, nsb, out): out[0:L] = the K tile's rows . x (qt: one tile's bytes)."""
     SB = KBYTES[fmt]
+    lb, hi, sco, z = _KFMT[fmt]
+    umax = (1 << (lb + (hi[0] if hi else 0))) - 1
 
     def typer(typingctx, qt, xq, xd, xb, nsb, out):
         if not (_arr(qt, types.uint8) and _arr(xq, types.int8) and _arr(xd, types.float32)
@@ -388,8 +403,16 @@ def _ktile_dot(fmt):
             def cb(v):
                 return ir.Constant(vb, [v] * n4)
 
-            def row_bytes(base, off):          # <L x i8> at base + off -> <L x i32> (zext / sext)
-                return _ld(builder, qtp, builder.add(base, _c(off)), _vec(I8, L))
+            def ci(v):
+                return ir.Constant(vi, [v] * L)
+
+            def bits(base, off, nbits, t):     # field t of nbits-bit fields of the <4L x i8> at base + off
+                w = _ld(builder, qtp, builder.add(base, _c(off * R)), vb)
+                per = 8 // nbits
+                return builder.and_(builder.lshr(w, cb(nbits * (t % per))), cb((1 << nbits) - 1))
+
+            def row_bytes(base, off):          # <L x i8> at base + off * R
+                return _ld(builder, qtp, builder.add(base, _c(off * R)), _vec(I8, L))
 
             def xsum(b, h):                    # splat of xb[16b + h]
                 return _splat(builder, _ld(builder, xbp, builder.add(builder.mul(b, _c(16)), _c(h)), I32, 4), L)
@@ -401,44 +424,44 @@ def _ktile_dot(fmt):
                 xb0 = builder.mul(b, _c(256))
                 for o in range(0, SB * R, 64):   # the super-block KPF_AHEAD ahead (past the tile: the next one's)
                     _prefetch(builder, qtp, builder.add(base, _c(KPF_AHEAD * SB * R + o)), PF_LOCALITY)
-                isum = ir.Constant(vi, [0] * L)
-                msum = ir.Constant(vi, [0] * L)
+                isum = ci(0)
+                msum = ci(0)
                 for t in range(8):
                     xs = [_bcast4(builder, xqp, builder.add(xb0, _c(32 * t + 4 * jj))) for jj in range(8)]
                     us = []
                     for jj in range(8):
-                        w = _ld(builder, qtp, builder.add(base, _c((32 * (t >> 1) + 4 * jj) * R)), vb)
-                        if t & 1:
-                            w = builder.lshr(w, cb(4))
-                        u = builder.and_(w, cb(15))
-                        if fmt == "q5k":
-                            h = _ld(builder, qtp, builder.add(base, _c((128 + 4 * jj) * R)), vb)
-                            u = builder.or_(u, builder.shl(builder.and_(builder.lshr(h, cb(t)), cb(1)), cb(4)))
-                        elif fmt == "q6k":
-                            h = _ld(builder, qtp, builder.add(base, _c((128 + 32 * (t >> 2) + 4 * jj) * R)), vb)
-                            u = builder.or_(u, builder.shl(builder.and_(builder.lshr(h, cb(2 * (t & 3))), cb(3)),
-                                                           cb(4)))
+                        u = bits(base, 32 * (t * lb // 8) + 4 * jj, lb, t)
+                        if hi:
+                            hb, ho = hi
+                            h = bits(base, ho + 32 * (t * hb // 8) + 4 * jj, hb, t)
+                            u = builder.or_(u, builder.shl(h, cb(lb)))
                         us.append(u)
-                    if fmt == "q6k":
-                        for half in range(2):
-                            sc = builder.sext(row_bytes(base, (192 + 2 * t + half) * R), vi)
-                            pairs = list(zip(us[4 * half:4 * half + 4], xs[4 * half:4 * half + 4]))
-                            isum = builder.add(isum, _bdot(builder, pairs, 63, sc))
-                            msum = builder.add(msum, builder.mul(sc, xsum(b, 2 * t + half)))
-                    else:
-                        sc = builder.zext(row_bytes(base, (SB - 20 + t) * R), vi)
-                        mn = builder.zext(row_bytes(base, (SB - 12 + t) * R), vi)
-                        isum = builder.add(isum, _bdot(builder, list(zip(us, xs)), 31 if fmt == "q5k" else 15, sc))
+                    if sco is None:                # 6-bit sc, m per sub-block of 32
+                        sc = builder.zext(row_bytes(base, SB - 20 + t), vi)
+                        mn = builder.zext(row_bytes(base, SB - 12 + t), vi)
+                        isum = builder.add(isum, _bdot(builder, list(zip(us, xs)), umax, sc))
                         msum = builder.add(msum, builder.mul(mn, builder.add(xsum(b, 2 * t), xsum(b, 2 * t + 1))))
+                        continue
+                    for half in range(2):          # a scale per sub-block of 16
+                        h = 2 * t + half
+                        pairs = list(zip(us[4 * half:4 * half + 4], xs[4 * half:4 * half + 4]))
+                        if z:                      # signed scale; the offset z is taken off once per super-block
+                            sc = builder.sext(row_bytes(base, sco + h), vi)
+                            mn = sc
+                        else:                      # Q2_K: scale | min << 4
+                            s8 = builder.zext(row_bytes(base, sco + h), vi)
+                            sc = builder.and_(s8, ci(15))
+                            mn = builder.lshr(s8, ci(4))
+                        isum = builder.add(isum, _bdot(builder, pairs, umax, sc))
+                        msum = builder.add(msum, builder.mul(mn, xsum(b, h)))
                 hp = builder.bitcast(qtp, I16.as_pointer())
-                hb = builder.mul(b, _c(SB * R // 2))
+                hb_ = builder.mul(b, _c(SB * R // 2))
                 xdb = _splat(builder, _ld(builder, xdp, b, F32, 4), L)
-                d = _halves(builder, hp, builder.add(hb, _c((SB - 4 if fmt != "q6k" else SB - 2) * R // 2)))
-                if fmt == "q6k":
-                    v = builder.fmul(d, builder.sitofp(builder.sub(isum, builder.shl(msum, ir.Constant(vi, [5] * L))),
-                                                       _vec(F32, L)))
+                d = _halves(builder, hp, builder.add(hb_, _c((SB - 2 if z else SB - 4) * R // 2)))
+                if z:
+                    v = builder.fmul(d, builder.sitofp(builder.sub(isum, builder.mul(msum, ci(z))), _vec(F32, L)))
                 else:
-                    dmin = _halves(builder, hp, builder.add(hb, _c((SB - 2) * R // 2)))
+                    dmin = _halves(builder, hp, builder.add(hb_, _c((SB - 2) * R // 2)))
                     v = builder.fsub(builder.fmul(d, builder.sitofp(isum, _vec(F32, L))),
                                      builder.fmul(dmin, builder.sitofp(msum, _vec(F32, L))))
                 builder.store(builder.fadd(builder.load(sums[0]), builder.fmul(xdb, v)), sums[0])
@@ -449,6 +472,8 @@ def _ktile_dot(fmt):
     return intrinsic(typer)
 
 
+dot_ktile_q2k = _ktile_dot("q2k")
+dot_ktile_q3k = _ktile_dot("q3k")
 dot_ktile_q4k = _ktile_dot("q4k")
 dot_ktile_q5k = _ktile_dot("q5k")
 dot_ktile_q6k = _ktile_dot("q6k")
@@ -482,7 +507,17 @@ def repack_ktile(fmt, blk):
     rows, nsb, _ = blk.shape
     nt = rows // R
     parts = []
-    if fmt in ("q4k", "q5k"):
+    if fmt == "q2k":
+        parts += [_lanes4(blk[:, :, 16:80], R), _rowmajor(blk[:, :, 0:16], R),
+                  _rowmajor(_f16_bits(blk[:, :, 80:84].reshape(rows, nsb, 2, 2)), R)]
+    elif fmt == "q3k":
+        s = blk[:, :, 96:108].astype(np.int32)
+        j = np.arange(16)
+        lo = np.where(j < 8, s[..., j % 8] & 15, s[..., j % 8] >> 4)
+        sc = lo | (((s[..., 8 + (j & 3)] >> (2 * (j >> 2))) & 3) << 4)
+        parts += [_lanes4(blk[:, :, 32:96], R), _lanes4(blk[:, :, 0:32], R), _rowmajor((sc - 32).astype(np.int8), R),
+                  _rowmajor(_f16_bits(blk[:, :, 108:110].reshape(rows, nsb, 1, 2)), R)]
+    elif fmt in ("q4k", "q5k"):
         qo = 16 if fmt == "q4k" else 48
         sc6 = blk[:, :, 4:16].astype(np.int32)
         sc = np.empty((rows, nsb, 8), np.uint8)
