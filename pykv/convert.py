@@ -628,7 +628,10 @@ def llama3_rope_factors(rope: RopeSpec, n_rot: int) -> np.ndarray:
     """rope_freqs.weight (n_rot/2,) f32: the divisor of each pair's frequency, computed in float32 as
     llama.cpp's converter does (LlamaModel.generate_extra_tensors)."""
     f32 = np.float32
-    freqs = f32(1.0) / f32(rope.theta) ** (np.arange(0, n_rot, 2, dtype=np.float32) / f32(n_rot))
+    # theta ** (2i / n_rot) correctly rounded to float32 (libm's double pow, scalar): numpy's float32 power
+    # dispatches to SVML on AVX-512 hosts and differs there by an ulp from torch and from AVX2 hosts
+    expo = np.arange(0, n_rot, 2, dtype=np.float32) / f32(n_rot)
+    freqs = f32(1.0) / np.array([math.pow(float(f32(rope.theta)), float(x)) for x in expo]).astype(np.float32)
     wavelen = f32(2 * math.pi) / freqs
     lo_wl = f32(rope.orig_ctx / rope.low_freq_factor)
     hi_wl = f32(rope.orig_ctx / rope.high_freq_factor)
