@@ -23,7 +23,7 @@ def _f16_bytes(v):
     return np.asarray(v, np.float16).view(np.uint8).reshape(*np.shape(v), 2)
 
 
-def make_weight(t, rows, cols, rng):
+def make_weight(t, rows, cols, rng, jit_free=False):
     """(data as GGUFReader gives it, float64 dequantized reference)."""
     if t == GT.F32:
         data = rng.standard_normal((rows, cols)).astype(np.float32)
@@ -38,6 +38,12 @@ def make_weight(t, rows, cols, rng):
         lo = -0.02 if len(offs) == 1 else 0.0       # symmetric types: signed d; else d, dmin >= 0
         for o in offs:
             blocks[:, o:o + 2] = _f16_bytes(rng.uniform(lo, 0.02, nb))
+        data = blocks.reshape(rows, -1)
+    elif t == GT.IQ4_NL and jit_free:
+        # random valid blocks (sane f16 d, any nibbles), made without running a Numba kernel: under
+        # test_tiles_isa's NUMBA_CPU_NAME a kernel is compiled for that class and may not run on this host
+        blocks = rng.integers(0, 256, size=(rows * cols // 32, 18), dtype=np.uint8)
+        blocks[:, 0:2] = _f16_bytes(rng.uniform(-0.02, 0.02, rows * cols // 32))
         data = blocks.reshape(rows, -1)
     elif t == GT.IQ4_NL:
         # gguf cannot quantize IQ4_NL: pykv's port of llama-quantize's quantize_iq4_nl makes the blocks,
