@@ -21,6 +21,11 @@ Byte cost of ONE token's head vector (``head_dim`` values) -- ``row_bytes``:
 * nl4 / nl3 / nl2 (pykv's own):  blocks of 64 values, [f16 d][64*bits/8 bytes of codes]; value =
                           d * NL_TABLE[bits][code], the Lloyd-Max levels of a unit Gaussian (what a
                           Hadamard-rotated head vector looks like) -> 4.25 / 3.25 / 2.25 bits per value.
+* klt3 / klt2 (pykv's own, keys only): nl blocks whose code width falls along the block (``nl_runs``:
+                          runs of (positions, bits), widest first), for keys stored in the coordinates
+                          of a calibrated per-head transform (pykv.kv_transform) whose channels are
+                          sorted by how much they move the attention scores, each run scaled to unit
+                          variance: the few channels that carry most of q.k get 6-8 bits, the tail 1-2.
 
 ``bytes_per_token`` sums K and V over layers and KV heads; the f16 residual page KIVI keeps per
 sequence (a constant, not a per-token cost) is not included.
@@ -36,7 +41,7 @@ __all__ = [
     "kv_bytes_per_token_head", "bytes_per_token", "bits_per_value",
     "CODE_F32", "CODE_F16", "CODE_BF16", "CODE_Q8_0", "CODE_Q4_0", "CODE_Q4_1", "CODE_Q5_0",
     "CODE_Q5_1", "CODE_IQ4_NL", "CODE_FP8_E4M3", "CODE_FP8_E5M2", "CODE_INT4", "CODE_INT2",
-    "CODE_NL4", "CODE_NL3", "CODE_NL2",
+    "CODE_NL4", "CODE_NL3", "CODE_NL2", "CODE_KLT3", "CODE_KLT2", "N_CODES",
 ]
 
 
@@ -47,9 +52,10 @@ class KVFormat:
     block_size: int      # values per block
     block_bytes: int     # bytes per block
     bits: float          # bits per value including block scales (fp8: excluding the per-row scale)
-    kind: str            # 'float' | 'ggml' | 'fp8' | 'kivi' | 'nl'
+    kind: str            # 'float' | 'ggml' | 'fp8' | 'kivi' | 'nl' | 'klt' (nl blocks of transformed keys)
     ggml_type: _T | None  # the gguf type when the byte layout is ggml's
     row_extra: int = 0   # bytes per row on top of the blocks (fp8: the f32 row scale)
+    nl_runs: tuple = ()  # nl / klt: the block's code widths as runs ((positions, bits), ...) summing to 64
 
 
 CODE_F32 = 0
@@ -68,6 +74,9 @@ CODE_INT2 = 12
 CODE_NL4 = 13
 CODE_NL3 = 14
 CODE_NL2 = 15
+CODE_KLT3 = 16
+CODE_KLT2 = 17
+N_CODES = 18
 
 _F = KVFormat
 # name                 code            bs  bytes  bits   kind     ggml type
@@ -85,9 +94,13 @@ KV_FORMATS: dict[str, KVFormat] = {f.name: f for f in (
     _F("fp8_e5m2", CODE_FP8_E5M2,  1,  1,   8.0, "fp8",   None, 4),
     _F("int4",     CODE_INT4,     32, 20,   5.0, "kivi",  None),
     _F("int2",     CODE_INT2,     32, 12,   3.0, "kivi",  None),
-    _F("nl4",      CODE_NL4,      64, 34,  4.25, "nl",    None),
-    _F("nl3",      CODE_NL3,      64, 26,  3.25, "nl",    None),
-    _F("nl2",      CODE_NL2,      64, 18,  2.25, "nl",    None),
+    _F("nl4",      CODE_NL4,      64, 34,  4.25, "nl",    None, nl_runs=((64, 4),)),
+    _F("nl3",      CODE_NL3,      64, 26,  3.25, "nl",    None, nl_runs=((64, 3),)),
+    _F("nl2",      CODE_NL2,      64, 18,  2.25, "nl",    None, nl_runs=((64, 2),)),
+    # 2 + 2*8 + 2*6 + 4*5 + 8*4 + 16*3 + 32*2 bits = 2 + 24 bytes
+    _F("klt3",     CODE_KLT3,     64, 26,  3.25, "klt",   None, nl_runs=((2, 8), (2, 6), (4, 5), (8, 4), (16, 3), (32, 2))),
+    # 2 + 4*6 + 4*4 + 8*3 + 16*2 + 32*1 bits = 2 + 16 bytes
+    _F("klt2",     CODE_KLT2,     64, 18,  2.25, "klt",   None, nl_runs=((4, 6), (4, 4), (8, 3), (16, 2), (32, 1))),
 )}
 del _F
 
@@ -97,7 +110,12 @@ KV_CODES: dict[int, KVFormat] = {f.code: f for f in KV_FORMATS.values()}
 def _check_table() -> None:
     for f in KV_FORMATS.values():
         assert abs(f.bits - f.block_bytes * 8 / f.block_size) < 1e-9, f
-    assert sorted(KV_CODES) == list(range(len(KV_FORMATS)))
+        if f.kind in ("nl", "klt"):
+            assert sum(n for n, _ in f.nl_runs) == f.block_size == 64, f
+            nbits = sum(n * b for n, b in f.nl_runs)
+            assert nbits % 8 == 0 and 2 + nbits // 8 == f.block_bytes, f
+            assert all(n & (n - 1) == 0 and 1 <= b <= 8 for n, b in f.nl_runs), f   # Hadamard per run
+    assert sorted(KV_CODES) == list(range(len(KV_FORMATS))) == list(range(N_CODES))
 
 
 _check_table()

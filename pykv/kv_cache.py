@@ -124,8 +124,12 @@ class KVCache:
         k_fmts = _fmt_list(k_types, cfg.n_layers, "cache-type-k")
         v_fmts = _fmt_list(v_types, cfg.n_layers, "cache-type-v")
         for f in k_fmts + v_fmts:
-            if f.kind == "nl" and be.name != "cpu":
+            if f.kind in ("nl", "klt") and be.name != "cpu":
                 raise PykvError(f"KV type {f.name} runs on the CPU only for now (device {be.name})")
+        for f in v_fmts:
+            if f.kind == "klt":
+                raise PykvError(f"KV type {f.name} is a key type (its calibrated transform is for keys); "
+                                "use it with -ctk, not -ctv")
             if HD % f.block_size:
                 raise PykvError(f"KV type {f.name} needs head_dim divisible by {f.block_size} (head_dim {HD})")
         self.max_pages_per_seq = math.ceil(self.n_ctx / self.P)
@@ -147,6 +151,8 @@ class KVCache:
         # (README "Query-aware smoothing and pre-RoPE keys"); None = off
         self.k_pre = [bool(k_prerope) and sm for sm in self.k_smooth]   # keys stored before RoPE
         self.k_rope = None        # (cos, sin, Hadamard signs or None): set_k_transform
+        self.k_xf = [None] * cfg.n_layers   # klt key layers: (mk, mq, mu) for ops.key_xform (set_key_xf)
+        self.capture = None       # a kv_transform.Capture: append / attend report keys and queries to it
         self.layers = [LayerKV(kf, vf, be.zeros((KVH, n_pages, pk), np.uint8),
                                be.zeros((KVH, n_pages, pv), np.uint8))
                        for kf, vf, (pk, pv) in zip(k_fmts, v_fmts, self.page_bytes)]
@@ -162,6 +168,28 @@ class KVCache:
         """The model's RoPE tables (n_ctx, n_rot/2) and Hadamard signs (HD,) (None: no rotation), which
         attention needs to turn pre-RoPE keys (k_pre) back into roped keys."""
         self.k_rope = (cos, sin, sign)
+
+    def set_key_xf(self, maps) -> None:
+        """Per layer None or the klt key transform (mk, mq, mu) (kv_transform.layer_maps), needed by
+        every layer whose key type is klt."""
+        for li, (l, m) in enumerate(zip(self.layers, maps)):
+            if (l.k_fmt.kind == "klt") != (m is not None):
+                raise PykvError(f"layer {li}: a key transform is needed exactly for klt key types")
+        self.k_xf = [None if m is None else tuple(self.be.to_device(np.ascontiguousarray(a, np.float32)) for a in m)
+                     for m in maps]
+
+    def key_xf_id(self) -> str | None:
+        """sha256 (16 hex) of the klt key transforms (None without klt layers): a state file's pages
+        are only meaningful under the same transforms (Session checks it)."""
+        if all(m is None for m in self.k_xf):
+            return None
+        import hashlib
+        h = hashlib.sha256()
+        for m in self.k_xf:
+            if m is not None:
+                for a in m:
+                    h.update(np.ascontiguousarray(self.be.to_host(a)).tobytes())
+        return h.hexdigest()[:16]
 
     def _kx(self, seq: Sequence, li: int):
         """attend's pre-RoPE key transform for layer li: (kx, cos, sin); kx has no rows when the
@@ -356,6 +384,8 @@ class KVCache:
         """Quantize k, v (T, KVH, HD) f32 for positions seq.n_tokens .. + T into layer li.
         The caller advances seq.n_tokens once all layers are appended."""
         l, kq = self.layers[li], self.be.kvquant
+        if self.capture is not None:
+            self.capture.keys(li, self.be.to_host(k), seq.n_tokens)
         for x, fmt, pool, name in ((k, l.k_fmt, l.k_pool, "k"), (v, l.v_fmt, l.v_pool, "v")):
             if fmt.kind != "float" and seq.n_tokens < self.NS:
                 e = min(x.shape[0], self.NS - seq.n_tokens)
@@ -482,6 +512,8 @@ class KVCache:
         at positions n_past .. n_past + T - 1, whose K/V are already appended; out (T, H, HD).
         part: scratch (T, KVH, C, G, HD + 2) with C >= ceil((n_past + T) / chunk)."""
         l, T = self.layers[li], q.shape[0]
+        if self.capture is not None:
+            self.capture.queries(li, self.be.to_host(q), n_past)
         n_tot = n_past + T
         kres, nq_k, wk = self._reads(seq, li, "k", l.k_fmt, n_tot, T)
         vres, nq_v, wv = self._reads(seq, li, "v", l.v_fmt, n_tot, T)

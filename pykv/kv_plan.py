@@ -32,7 +32,7 @@ import numpy as np
 from .config import PykvError
 from .formats import KV_FORMATS, kv_bytes_per_token_head, parse_kv_type
 
-DEFAULT_TYPES = ("q8_0", "q5_1", "q5_0", "q4_1", "q4_0", "iq4_nl", "nl4", "nl3", "nl2")
+DEFAULT_TYPES = ("q8_0", "q5_1", "q5_0", "q4_1", "q4_0", "iq4_nl", "nl4", "klt3", "nl3", "klt2", "nl2")
 CALIB_TOKENS = 512   # kv-sensitivity's default; plans calibrate at the model's context (plan_for)
 PLAN_VERSION = 2     # 2: query-aware key smoothing, pre-RoPE keys (older tables measured other keys)
 N_SINK = 4           # kv_cache.N_SINK (the default sink rows)
@@ -217,34 +217,38 @@ def measure(model, ids, types=DEFAULT_TYPES, exact: bool = False, progress=None,
 
     table = {"types": types, "n_tokens": len(pr.ids), "method": "exact" if exact else "estimate",
              "kv_window": int(window), "kv_sinks": int(sinks), "kv_window_type": window_type, "group": group}
+
+    def usable(s, t):       # klt types hold keys only: their V entries are None (never chosen)
+        return s == "k" or parse_kv_type(t).kind != "klt"
     if exact:
         for s in ("k", "v"):
             rows = []
             for l in range(L):
                 row = []
                 for t in types:
-                    row.append(pr.kl(*fr[s](l, t), l0=l))
+                    row.append(pr.kl(*fr[s](l, t), l0=l) if usable(s, t) else None)
                     tick()
                 rows.append(row)
             table[s] = rows
         return table
-    ref = max(types, key=lambda t: -side_bytes(model.config, t, True, 1 << 20))   # the cheapest
+    both = [t for t in types if usable("v", t)] or types
+    ref = max(both, key=lambda t: -side_bytes(model.config, t, True, 1 << 20))   # the cheapest
     table["ref"] = ref
     uni = {}
     for s in ("k", "v"):
         uni[s] = []
         for t in types:
-            uni[s].append(pr.kl(t if s == "k" else "f16", t if s == "v" else "f16"))
+            uni[s].append(pr.kl(t if s == "k" else "f16", t if s == "v" else "f16") if usable(s, t) else None)
             tick()
         u_ref = uni[s][types.index(ref)]
-        ratio = [u / u_ref if u_ref > 0 else 0.0 for u in uni[s]]
+        ratio = [None if u is None else (u / u_ref if u_ref > 0 else 0.0) for u in uni[s]]
         rows = []
         for l0 in starts:
             g = range(l0, min(l0 + group, L))
             ts = [ref if i in g else "f16" for i in range(L)]
             a = pr.kl(ts if s == "k" else "f16", ts if s == "v" else "f16", l0=l0) / len(g)
             tick()
-            rows += [[a * r for r in ratio] for _ in g]
+            rows += [[None if r is None else a * r for r in ratio] for _ in g]
         table[s] = rows
     table["uniform"] = uni
     return table
@@ -300,8 +304,10 @@ def solve(table: dict, cfg, n_ctx: int, budget_bytes: float, page_tokens: int = 
                          for t in types], np.int64)
         for l in range(L):
             row = list(table[s][l]) + ([0.0] if len(types) > len(table["types"]) else [])
-            kl = np.nan_to_num(np.maximum(np.array(row, np.float64), 0.0), nan=np.inf)
-            items.append((cost, kl))
+            kl = np.nan_to_num(np.maximum(np.array(row, np.float64), 0.0), nan=np.inf)   # None: not usable
+            c = cost.copy()
+            c[~np.isfinite(kl)] = cost[np.isfinite(kl)].min()     # the floor counts usable options only
+            items.append((c, kl))
     B = int(np.floor(budget_bytes * _UNIT + 1e-9))
     floor = sum(int(c.min()) for c, _ in items)
     if B < floor:
@@ -399,7 +405,7 @@ def _side_sums(table, plan):
     types = list(table["types"])
     tot = {}
     for s, ts in (("k", plan["ctk"]), ("v", plan["ctv"])):
-        tot[s] = sum(table[s][l][types.index(t)] for l, t in enumerate(ts) if t in types)
+        tot[s] = sum(table[s][l][types.index(t)] or 0.0 for l, t in enumerate(ts) if t in types)
     return tot
 
 
@@ -430,7 +436,7 @@ def refine(pr, table, cfg, n_ctx, budget_bytes, page_tokens: int = 32, steps: in
         for s in ("k", "v"):
             if sums[s] > 0 and real[s] > 0:
                 f = real[s] / sums[s]
-                t[s] = [[x * f for x in row] for row in t[s]]
+                t[s] = [[None if x is None else x * f for x in row] for row in t[s]]
         plan = solve(t, cfg, n_ctx, budget_bytes, page_tokens)
     best = dict(best)
     best["refine"] = log
@@ -562,9 +568,13 @@ def cmd_sensitivity(args) -> int:
           + " | ".join(f"V {t}" for t in table["types"]) + " |")
     print("|---:|" + "---:|" * (2 * len(table["types"])))
     for l in range(L):
-        print(f"| {l} | " + " | ".join(f"{x:.5f}" for x in table["k"][l]) + " | "
-              + " | ".join(f"{x:.5f}" for x in table["v"][l]) + " |")
+        print(f"| {l} | " + " | ".join(_cell(x) for x in table["k"][l]) + " | "
+              + " | ".join(_cell(x) for x in table["v"][l]) + " |")
     return 0
+
+
+def _cell(x) -> str:
+    return "—" if x is None else f"{x:.5f}"
 
 
 def register_cli(sub) -> None:

@@ -23,6 +23,19 @@ ROTATE_SEED = 0x5EED
 # run measured lower for each of them (tools/kv_table.py --rotate flip; README's KV table).
 
 
+def _kv_formats(types) -> list:
+    """The formats named by a KV type argument (one name or format, or a per-layer list); names that
+    do not parse are left for KVCache to refuse."""
+    from .formats import parse_kv_type
+    out = []
+    for t in ([types] if isinstance(types, str) or not hasattr(types, "__iter__") else list(types)):
+        try:
+            out.append(parse_kv_type(t))
+        except ValueError:
+            pass
+    return out
+
+
 @dataclass
 class LayerWeights:
     attn_norm: np.ndarray   # (D,) f32
@@ -178,9 +191,18 @@ class Model:
             self._kv_opts["kv_sinks"] = int(kv_sinks)
         if kv_window_type is not None:
             self._kv_opts["kv_window_type"] = kv_window_type
+        stats = None
+        if any(f.kind == "klt" for f in _kv_formats(kv_type_k)):     # calibrated on an f16 cache first
+            from . import kv_transform
+            stats = kv_transform.calib_stats(self)
         self.cache = KVCache(self.config, self.n_ctx, kv_type_k, kv_type_v, backend=self.be, **self._kv_opts)
         self.rotate = self._rotate_default(kv_rotate)
         self.cache.set_k_transform(self.cos, self.sin, self.rot_sign if self.rotate else None)
+        if stats is not None:
+            from . import kv_transform
+            self.cache.set_key_xf(kv_transform.layer_maps(
+                stats, [l.k_fmt for l in self.cache.layers],
+                self.be.to_host(self.rot_sign) if self.rotate else None))
         self.seq: Sequence | None = None
 
     def _rotate_default(self, flag) -> bool:
@@ -238,6 +260,8 @@ class Model:
                 cache.smooth_stats(li, seq, k3, q3)
             ops.qkv_prep(q3, k3, v3, n_past, self.cos, self.sin, cfg.rope_dims, do_rope, seq.k_shift[li],
                          seq.k_scale[li], smooth, self.rot_sign, self.rotate, self.q_mul)
+            if cache.k_xf[li] is not None:     # klt keys: the calibrated transform (kv_transform)
+                ops.key_xform(q3, k3, *cache.k_xf[li])
         cache.append(li, seq, k3, v3)
         n_tot = n_past + T
         chunk = cache.chunk_for(n_tot, T, self.be.workers())

@@ -290,7 +290,7 @@ class Session:
         c = self.cache
         return {"kv_k": [l.k_fmt.name for l in c.layers], "kv_v": [l.v_fmt.name for l in c.layers],
                 "page_tokens": c.P, "rotate": bool(self.model.rotate), "k_smooth": [bool(x) for x in c.k_smooth],
-                "k_pre": [bool(x) for x in c.k_pre]}
+                "k_pre": [bool(x) for x in c.k_pre], "k_xf": c.key_xf_id()}
 
     def save(self, path) -> int:
         """Write the session to a state file (temp file, then rename): the model's fingerprint, the KV

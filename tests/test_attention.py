@@ -26,6 +26,11 @@ from pykv.kv_cache import KVCache
 from .reference import attention as ref_attention
 
 FORMATS = list(KV_FORMATS)
+
+
+def _vt(fmt):
+    """The value type tested beside key type fmt: itself, or nl2 for the key-only klt types."""
+    return "nl2" if KV_FORMATS[fmt].kind == "klt" else fmt
 THREADS = sorted({1, min(2, numba.config.NUMBA_NUM_THREADS), numba.config.NUMBA_NUM_THREADS})
 RTOL = 1e-4
 
@@ -126,7 +131,7 @@ def test_attention_matches_reference(fmt, G):
     rng = np.random.default_rng(1000 + 13 * FORMATS.index(fmt) + G)
     KVH, P = 2, 16
     cfg = make_cfg(KVH * G, KVH)
-    cache = new_cache(cfg, fmt, fmt, 256, P, rng)
+    cache = new_cache(cfg, fmt, _vt(fmt), 256, P, rng)
     a, b = cache.new_sequence(), cache.new_sequence()
     what = f"{fmt} G={G}"
     # prefill from 0 (odd length, leaves a partial page), interleaved with another sequence
@@ -190,7 +195,7 @@ def test_attention_mixed_k_v_types():
 def test_bytes_per_token_matches_allocation(fmt):
     cfg = make_cfg(9, 3, n_layers=2)
     for P in (16, 32):
-        cache = KVCache(cfg, 300, fmt, "q4_0" if fmt == "f16" else fmt, page_tokens=P)
+        cache = KVCache(cfg, 300, fmt, "q4_0" if fmt == "f16" else _vt(fmt), page_tokens=P)
         per_tok = cache.nbytes() / cache.capacity_tokens()
         assert cache.bytes_per_token() == per_tok
         assert cache.bytes_per_token() == bytes_per_token(cache.layers[0].k_fmt, cache.layers[0].v_fmt,

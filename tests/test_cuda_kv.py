@@ -23,7 +23,7 @@ from pykv.kernels.backend import CudaBackend, get_backend
 from pykv.kernels.cuda.shared import SIM
 from pykv.kv_cache import KVCache
 
-FORMATS = [n for n, f in KV_FORMATS.items() if f.kind != "nl"]   # nl4/nl3/nl2: CPU only for now
+FORMATS = [n for n, f in KV_FORMATS.items() if f.kind not in ("nl", "klt")]   # nl / klt: CPU only for now
 P = 4
 RTOL = 1e-4
 
@@ -223,3 +223,5 @@ def test_nl_types_refused_on_cuda():
     cfg = make_cfg(1, 1, HD=64)
     with pytest.raises(PykvError, match="CPU only"):
         KVCache(cfg, 64, "nl4", "f16", page_tokens=P, backend=get_backend("cuda"))
+    with pytest.raises(PykvError, match="CPU only"):
+        KVCache(cfg, 64, "klt2", "f16", page_tokens=P, backend=get_backend("cuda"))

@@ -75,6 +75,22 @@ def test_planner_respects_budget_and_picks_lower_kl(tiny):
         KP.solve(table, cfg, n, q4 - 1)
 
 
+def test_planner_never_gives_values_a_key_type(tiny):
+    """klt types hold keys only: their V entries are None, and even where klt2 is the only cheap option
+    the values take another type (or the plan is refused), and the floor counts usable options."""
+    cfg, n = tiny.config, tiny.n_ctx
+    types = ["q4_0", "klt2"]
+    k = [[1e-2, 1e-3]] * 3
+    v = [[1e-2, None]] * 3
+    table = _table(3, types, k, v)
+    budget = KP.plan_bytes(cfg, ["klt2"] * 3, ["q4_0"] * 3, n)
+    plan = KP.solve(table, cfg, n, budget)
+    assert plan["ctk"] == ["klt2"] * 3 and plan["ctv"] == ["q4_0"] * 3
+    assert plan["kl_estimate"] == pytest.approx(3 * 1e-3 + 3 * 1e-2)
+    with pytest.raises(pykv.PykvError, match="below the cheapest plan"):
+        KP.solve(table, cfg, n, KP.plan_bytes(cfg, ["klt2"] * 3, ["klt2"] * 3, n))
+
+
 def test_planner_is_optimal_on_random_tables(tiny):
     """The DP's KL equals brute force over every combination (3 layers x 2 sides x 3 options)."""
     import itertools

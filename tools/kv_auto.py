@@ -137,10 +137,11 @@ def main():
                 json.dump(out, f, indent=1)
         return
     rows = []
-    for t in a.uniform.split(","):
-        m.set_kv_types(t, t)
+    for t in a.uniform.split(","):        # "K/V" for different key and value types (klt2/nl2)
+        kt, vt = (t.split("/") + [t])[:2]
+        m.set_kv_types(kt, vt)
         r = {"kv_type": t, **score(log_softmax(m.forward(ids)[:-1]), lb, ids),
-             "bytes_per_token": KP.plan_bytes(cfg, [t] * cfg.n_layers, [t] * cfg.n_layers, a.ctx)}
+             "bytes_per_token": KP.plan_bytes(cfg, [kt] * cfg.n_layers, [vt] * cfg.n_layers, a.ctx)}
         r.update(bits=KP.bits_per_value(cfg, r["bytes_per_token"]), delta=r["ppl"] / base["ppl"] - 1)
         rows.append(r)
         log(r)

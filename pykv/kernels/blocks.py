@@ -30,25 +30,47 @@ import numpy as np
 from numba import njit
 
 from ..formats import (CODE_BF16, CODE_F16, CODE_F32, CODE_FP8_E4M3, CODE_FP8_E5M2, CODE_INT2,
-                       CODE_INT4, CODE_IQ4_NL, CODE_NL2, CODE_NL3, CODE_NL4, CODE_Q4_0, CODE_Q4_1, CODE_Q5_0,
-                       CODE_Q5_1, CODE_Q8_0)
+                       CODE_INT4, CODE_IQ4_NL, CODE_Q4_0, CODE_Q4_1, CODE_Q5_0, CODE_Q5_1, CODE_Q8_0,
+                       KV_FORMATS, N_CODES)
 from .simd import bits_f32, deq_q4_0, deq_q4_1, deq_q8_0, h2f
 
 U = np.uint64
 KVALUES_IQ4NL = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113],
                          dtype=np.int8)
 IQ4NL_F = KVALUES_IQ4NL.astype(np.float32)
-# nl2 / nl3 / nl4: row `bits` holds the 2^bits Lloyd-Max levels of a unit Gaussian, ascending
-_LM = {2: [0.4528, 1.5104], 3: [0.2451, 0.7560, 1.3440, 2.1520],
-       4: [0.1284, 0.3881, 0.6568, 0.9423, 1.2562, 1.6180, 2.0690, 2.7326]}
-NL_TABLE = np.zeros((5, 16), np.float32)   # (bits, level)
+# nl family (nl4/nl3/nl2, klt3/klt2): row `bits` holds the 2^bits Lloyd-Max levels of a unit Gaussian,
+# ascending (the positive half listed; 1-4 bits as nl4/nl3/nl2 always had them)
+_LM = {1: [0.7979], 2: [0.4528, 1.5104], 3: [0.2451, 0.7560, 1.3440, 2.1520],
+       4: [0.1284, 0.3881, 0.6568, 0.9423, 1.2562, 1.6180, 2.0690, 2.7326],
+       5: [0.0659, 0.1981, 0.3314, 0.4667, 0.6049, 0.7471, 0.8946, 1.0488, 1.2118, 1.3863, 1.5762, 1.7872,
+           2.0287, 2.3177, 2.6911, 3.2607],
+       6: [0.0334, 0.1002, 0.1672, 0.2344, 0.3020, 0.3701, 0.4387, 0.5080, 0.5782, 0.6493, 0.7215, 0.7950,
+           0.8700, 0.9467, 1.0252, 1.1060, 1.1892, 1.2752, 1.3646, 1.4577, 1.5552, 1.6580, 1.7669, 1.8834,
+           2.0090, 2.1462, 2.2984, 2.4708, 2.6717, 2.9169, 3.2400, 3.7437]}
+NL_MAXBITS = 8
+NL_TABLE = np.zeros((NL_MAXBITS + 1, 1 << NL_MAXBITS), np.float32)   # (bits, level)
 for _b, _h in _LM.items():
     NL_TABLE[_b, :1 << _b] = [-v for v in _h[::-1]] + _h
-del _b, _h
+# 7 / 8 bits: uniform levels on +-4 (within 1 % of Lloyd-Max's MSE there; no long literal table)
+for _b in (7, 8):
+    _n = 1 << _b
+    NL_TABLE[_b, :_n] = (np.arange(_n) - (_n - 1) / 2) * (8.0 / _n)
+# per format code: the code width of each of the 64 positions of an nl-family block, its bit offset in
+# the block's code stream, and the block's bytes (0: not an nl-family code)
+NL_BITS = np.zeros((N_CODES, 64), np.int32)
+NL_OFF = np.zeros((N_CODES, 64), np.int32)
+NL_BYTES = np.zeros(N_CODES, np.int32)
+for _f in KV_FORMATS.values():
+    if _f.nl_runs:
+        _w = np.concatenate([np.full(n, b, np.int32) for n, b in _f.nl_runs])
+        NL_BITS[_f.code] = _w
+        NL_OFF[_f.code] = np.concatenate([[0], np.cumsum(_w)[:-1]])
+        NL_BYTES[_f.code] = _f.block_bytes
+del _b, _h, _n, _f, _w
 
 __all__ = ["deq_q8_0", "deq_q4_0", "deq_q4_1", "deq_q5", "deq_iq4_nl", "deq_int2", "deq_f32",
            "deq_f16", "deq_bf16", "deq_fp8", "deq_rows", "deq_kivi_k_rows", "deq_unit", "deq_kivi_k_unit", "rd_f16",
-           "rd_f32", "rd_u32", "KVALUES_IQ4NL", "IQ4NL_F", "NL_TABLE", "deq_nl", "nl_bits"]
+           "rd_f32", "rd_u32", "KVALUES_IQ4NL", "IQ4NL_F", "NL_TABLE", "NL_BITS", "NL_OFF", "NL_BYTES", "deq_nl"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -131,26 +153,21 @@ def deq_int2(src, so, out, oo, qb):
 
 
 @njit(cache=True, inline="always")
-def nl_bits(code):
-    """Code width of an nl format (nl4 -> 4, nl3 -> 3, nl2 -> 2); 0 for every other format."""
-    return 4 if code == CODE_NL4 else (3 if code == CODE_NL3 else (2 if code == CODE_NL2 else 0))
-
-
-@njit(cache=True, inline="always")
-def deq_nl(src, so, out, oo, bits):
-    """nl block of 64 [f16 d][64*bits/8 bytes]: element j's code is bits b*j .. b*j+b-1 of the code
-    bytes read as one little-endian bit stream; value = d * NL_TABLE[bits, code]."""
+def deq_nl(src, so, out, oo, code):
+    """nl-family block of 64 [f16 d][code bytes] (format `code`: nl4/nl3/nl2, klt3/klt2): element j's
+    code is the NL_BITS[code, j] bits from bit NL_OFF[code, j] of the code bytes read as one
+    little-endian bit stream; value = d * NL_TABLE[bits, code] (code widths <= 8)."""
     o = U(so)
     d = rd_f16(src, o)
-    mask = (1 << bits) - 1
     for j in range(64):
-        bit = bits * j
+        bits = NL_BITS[code, j]
+        bit = NL_OFF[code, j]
         p = o + U(2 + (bit >> 3))
         sh = bit & 7
         v = np.int32(src[p]) >> sh
         if sh + bits > 8:
             v |= np.int32(src[p + U(1)]) << (8 - sh)
-        out[U(oo + j)] = d * NL_TABLE[bits, v & mask]
+        out[U(oo + j)] = d * NL_TABLE[bits, v & ((1 << bits) - 1)]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -237,13 +254,12 @@ def deq_rows(code, src, o0, rb, n, out):
             row = out[r]
             for b in range(nb):
                 deq_int2(src, o0 + r * rb + 12 * b, row, 32 * b, qb)
-    elif code == CODE_NL4 or code == CODE_NL3 or code == CODE_NL2:
-        bits = nl_bits(code)
-        bb = 2 + 8 * bits
+    elif NL_BYTES[code] > 0:         # nl4 / nl3 / nl2 / klt3 / klt2
+        bb = NL_BYTES[code]
         for r in range(n):
             row = out[r]
             for b in range(HD // 64):
-                deq_nl(src, o0 + r * rb + bb * b, row, 64 * b, bits)
+                deq_nl(src, o0 + r * rb + bb * b, row, 64 * b, code)
     elif code == CODE_FP8_E4M3 or code == CODE_FP8_E5M2:
         e4m3 = code == CODE_FP8_E4M3
         for r in range(n):

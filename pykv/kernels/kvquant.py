@@ -39,7 +39,8 @@ Byte layouts (little endian):
     m = min rounded DOWN to f16, d = (max - m) / (2^bits - 1) rounded UP to f16, so that
     [m, m + d * qmax] covers the group; code = round_half_away((x - m) / d) clamped to [0, qmax];
     value = code * d + m  ->  |x - value| <= d / 2 (plus float rounding).
-  nl4 / nl3 / nl2: blocks of 64, [f16 d][codes as one little-endian bit stream, bits per element];
+  nl4 / nl3 / nl2, klt3 / klt2: blocks of 64, [f16 d][codes as one little-endian bit stream, element j
+    taking blocks.NL_BITS[code, j] bits (nl: the same for all, klt: runs of widths, formats.nl_runs)];
     value = d * NL_TABLE[bits, code] (blocks.NL_TABLE: Lloyd-Max levels of a unit Gaussian).  d starts
     at the block's RMS and takes 4 Lloyd steps (nearest level, then d = sum(x q) / sum(q q)); the codes
     are the nearest levels for the stored (f16) d.
@@ -61,9 +62,8 @@ import numpy as np
 from numba import njit, prange
 
 from ..formats import (CODE_BF16, CODE_F16, CODE_F32, CODE_FP8_E4M3, CODE_FP8_E5M2, CODE_INT2,
-                       CODE_INT4, CODE_IQ4_NL, CODE_NL2, CODE_NL3, CODE_NL4, CODE_Q4_0, CODE_Q4_1, CODE_Q5_0,
-                       CODE_Q5_1, CODE_Q8_0)
-from .blocks import IQ4NL_F, NL_TABLE, deq_rows, nl_bits, rd_f16
+                       CODE_INT4, CODE_IQ4_NL, CODE_Q4_0, CODE_Q4_1, CODE_Q5_0, CODE_Q5_1, CODE_Q8_0)
+from .blocks import IQ4NL_F, NL_BITS, NL_BYTES, NL_OFF, NL_TABLE, deq_rows, rd_f16
 from .simd import bits_f32, f32_bits, floorf, fmul_rn, h2f
 
 # ----------------------------------------------------------------------------------------------
@@ -354,19 +354,23 @@ def _qblk_iq4_nl(x, xo, dst, do, ntry):
 
 @njit(cache=True)
 def _nl_index(v, bits):
-    """Index of the NL_TABLE[bits] level nearest to v."""
-    best = 0
-    bd = abs(v - NL_TABLE[bits, 0])
-    for i in range(1, 1 << bits):
-        e = abs(v - NL_TABLE[bits, i])
-        if e < bd:
-            bd = e
-            best = i
-    return best
+    """Index of the NL_TABLE[bits] level nearest to v (levels ascending; a tie takes the lower one)."""
+    lo = 0
+    hi = (1 << bits) - 1
+    while hi - lo > 1:                 # NL_TABLE[bits, lo] <= v < NL_TABLE[bits, hi] once v is inside
+        mid = (lo + hi) // 2
+        if v < NL_TABLE[bits, mid]:
+            hi = mid
+        else:
+            lo = mid
+    if abs(v - NL_TABLE[bits, hi]) < abs(v - NL_TABLE[bits, lo]):
+        return hi
+    return lo
 
 
 @njit(cache=True)
-def _qblk_nl(x, xo, dst, do, bits):
+def _qblk_nl(x, xo, dst, do, code):
+    """nl-family block (format `code`, position widths NL_BITS[code]) of x[xo:xo+64] -> dst[do:]."""
     ss = np.float32(0.0)
     for j in range(64):
         ss += fmul_rn(x[xo + j], x[xo + j])
@@ -378,6 +382,7 @@ def _qblk_nl(x, xo, dst, do, bits):
         sqx = np.float32(0.0)
         sq2 = np.float32(0.0)
         for j in range(64):
+            bits = NL_BITS[code, j]
             q = NL_TABLE[bits, _nl_index(fmul_rn(x[xo + j], idd), bits)]
             sqx += fmul_rn(q, x[xo + j])
             sq2 += fmul_rn(q, q)
@@ -386,11 +391,12 @@ def _qblk_nl(x, xo, dst, do, bits):
     wr_u16(dst, do, h)
     dh = h2f(np.uint16(h))
     idd = np.float32(1.0) / dh if dh != np.float32(0.0) else np.float32(0.0)
-    for k in range(8 * bits):
+    for k in range(NL_BYTES[code] - 2):
         dst[do + 2 + k] = np.uint8(0)
     for j in range(64):
+        bits = NL_BITS[code, j]
         c = _nl_index(fmul_rn(x[xo + j], idd), bits)
-        bit = bits * j
+        bit = NL_OFF[code, j]
         p = do + 2 + (bit >> 3)
         sh = bit & 7
         dst[p] |= np.uint8((c << sh) & 0xFF)
@@ -536,7 +542,7 @@ def row_units(code, n):
     per row)."""
     if code == CODE_FP8_E4M3 or code == CODE_FP8_E5M2:
         return 1
-    if code == CODE_NL4 or code == CODE_NL3 or code == CODE_NL2:
+    if NL_BYTES[code] > 0:
         return n // 64
     return (n + 31) // 32
 
@@ -575,9 +581,8 @@ def quantize_block(code, x, b, dst):
         _qgrp_kivi(x, b, dst, 4)
     elif code == CODE_INT2:
         _qgrp_kivi(x, b, dst, 2)
-    elif code == CODE_NL4 or code == CODE_NL3 or code == CODE_NL2:
-        bits = nl_bits(code)
-        _qblk_nl(x, 64 * b, dst, (2 + 8 * bits) * b, bits)
+    elif NL_BYTES[code] > 0:           # nl4 / nl3 / nl2 / klt3 / klt2
+        _qblk_nl(x, 64 * b, dst, NL_BYTES[code] * b, code)
 
 
 @njit(cache=True)

@@ -145,6 +145,36 @@ def qkv_prep(q, k, v, pos0, cos, sin, n_rot, do_rope, shift, scale, smooth, sign
                     qv[i] *= qmul
 
 
+@njit(cache=True, nogil=True, fastmath=True)
+def key_xform(q, k, mk, mq, mu):
+    """klt key layers (pykv.kv_transform), after qkv_prep: k[t, g] = mk[g] @ (k[t, g] - mu[g]) and each
+    query head of KV group g q = mq[g] @ q, in place (mq[g] = mk[g]^-T: q.k changes by a per-query
+    constant).  q (T, H, HD), k (T, KVH, HD), mk, mq (KVH, HD, HD), mu (KVH, HD) f32."""
+    T, H, HD = q.shape
+    KVH = k.shape[1]
+    G = H // KVH
+    tmp = np.empty(HD, np.float32)
+    for t in range(T):
+        for g in range(KVH):
+            kv = k[t, g]
+            for j in range(HD):
+                tmp[j] = kv[j] - mu[g, j]
+            for i in range(HD):
+                acc = np.float32(0.0)
+                for j in range(HD):
+                    acc += mk[g, i, j] * tmp[j]
+                kv[i] = acc
+            for gi in range(G):
+                qv = q[t, g * G + gi]
+                for j in range(HD):
+                    tmp[j] = qv[j]
+                for i in range(HD):
+                    acc = np.float32(0.0)
+                    for j in range(HD):
+                        acc += mq[g, i, j] * tmp[j]
+                    qv[i] = acc
+
+
 # ---- fused producers of a matmul activation (decode is launch / dispatch bound: one call each
 # instead of two or three).  X (>=T, D) and XF (>=T, D // 32) are a matmul Act's float rows and block
 # sums (Act.x, Act.xf; call Act.mark(T) afterwards).
