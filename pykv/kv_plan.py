@@ -34,7 +34,7 @@ from .formats import KV_FORMATS, kv_bytes_per_token_head, parse_kv_type
 
 DEFAULT_TYPES = ("q8_0", "q5_1", "q5_0", "q4_1", "q4_0", "iq4_nl", "nl4", "klt3", "nl3", "klt2", "nl2")
 CALIB_TOKENS = 512   # kv-sensitivity's default; plans calibrate at the model's context (plan_for)
-PLAN_VERSION = 2     # 2: query-aware key smoothing, pre-RoPE keys (older tables measured other keys)
+PLAN_VERSION = 3     # 2: query-aware key smoothing, pre-RoPE keys; 3: klt keys probed per layer group
 N_SINK = 4           # kv_cache.N_SINK (the default sink rows)
 _UNIT = 4          # knapsack cost unit: 1/4 byte per token
 
@@ -206,7 +206,8 @@ def measure(model, ids, types=DEFAULT_TYPES, exact: bool = False, progress=None,
     fr = {"k": lambda l, t: (_one(L, l, t), "f16"), "v": lambda l, t: ("f16", _one(L, l, t))}
     group = 1 if exact else max(1, int(group))
     starts = list(range(0, L, group))
-    n_runs = 2 * L * len(types) if exact else 2 * len(starts) + 2 * len(types)
+    n_klt = sum(parse_kv_type(t).kind == "klt" for t in types)
+    n_runs = 2 * L * len(types) if exact else 2 * len(starts) + 2 * len(types) + n_klt * len(starts)
     done = 0
 
     def tick():
@@ -243,12 +244,17 @@ def measure(model, ids, types=DEFAULT_TYPES, exact: bool = False, progress=None,
         u_ref = uni[s][types.index(ref)]
         ratio = [None if u is None else (u / u_ref if u_ref > 0 else 0.0) for u in uni[s]]
         rows = []
+        own = [j for j, t in enumerate(types) if s == "k" and parse_kv_type(t).kind == "klt"]
         for l0 in starts:
             g = range(l0, min(l0 + group, L))
             ts = [ref if i in g else "f16" for i in range(L)]
             a = pr.kl(ts if s == "k" else "f16", ts if s == "v" else "f16", l0=l0) / len(g)
             tick()
-            rows += [[None if r is None else a * r for r in ratio] for _ in g]
+            row = [None if r is None else a * r for r in ratio]
+            for j in own:   # klt keys help some layers and hurt others: probed, not scaled from ref
+                row[j] = pr.kl([types[j] if i in g else "f16" for i in range(L)], "f16", l0=l0) / len(g)
+                tick()
+            rows += [list(row) for _ in g]
         table[s] = rows
     table["uniform"] = uni
     return table

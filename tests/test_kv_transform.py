@@ -43,7 +43,8 @@ def test_balanced_map_moments(fmt):
     a = X.balanced_map(sk, sq, runs)
     skr = sk + X.REG * np.trace(sk) / 64 * np.eye(64)       # the ridge balanced_map adds
     np.testing.assert_allclose(np.diag(a @ skr @ a.T), 1.0, rtol=1e-6)
-    wq = np.diag(np.linalg.inv(a).T @ sq @ np.linalg.inv(a))    # E[q'^2] per position
+    sqs = (1 - X.Q_SHRINK) * sq + X.Q_SHRINK * np.trace(sq) / 64 * np.eye(64)   # the map's query moment
+    wq = np.diag(np.linalg.inv(a).T @ sqs @ np.linalg.inv(a))    # E[q'^2] per position
     o, means = 0, []
     for n, _ in runs:
         means.append(wq[o:o + n].mean())
