@@ -26,6 +26,8 @@ Byte cost of ONE token's head vector (``head_dim`` values) -- ``row_bytes``:
                           of a calibrated per-head transform (pykv.kv_transform) whose channels are
                           sorted by how much they move the attention scores, each run scaled to unit
                           variance: the few channels that carry most of q.k get 6-8 bits, the tail 1-2.
+* nl3b / nl2b (pykv's own): nl3 / nl2 with the block scale in one byte e: d = 2^((e - 160) / 8) (e = 0:
+                          an all-zero block), 25 / 17 bytes per 64 values -> 3.125 / 2.125 bits per value.
 
 ``bytes_per_token`` sums K and V over layers and KV heads; the f16 residual page KIVI keeps per
 sequence (a constant, not a per-token cost) is not included.
@@ -41,7 +43,7 @@ __all__ = [
     "kv_bytes_per_token_head", "bytes_per_token", "bits_per_value",
     "CODE_F32", "CODE_F16", "CODE_BF16", "CODE_Q8_0", "CODE_Q4_0", "CODE_Q4_1", "CODE_Q5_0",
     "CODE_Q5_1", "CODE_IQ4_NL", "CODE_FP8_E4M3", "CODE_FP8_E5M2", "CODE_INT4", "CODE_INT2",
-    "CODE_NL4", "CODE_NL3", "CODE_NL2", "CODE_KLT3", "CODE_KLT2", "N_CODES",
+    "CODE_NL4", "CODE_NL3", "CODE_NL2", "CODE_KLT3", "CODE_KLT2", "CODE_NL3B", "CODE_NL2B", "N_CODES",
 ]
 
 
@@ -56,6 +58,7 @@ class KVFormat:
     ggml_type: _T | None  # the gguf type when the byte layout is ggml's
     row_extra: int = 0   # bytes per row on top of the blocks (fp8: the f32 row scale)
     nl_runs: tuple = ()  # nl / klt: the block's code widths as runs ((positions, bits), ...) summing to 64
+    nl_scale: int = 2    # nl / klt: bytes of the block scale: 2 = f16 d, 1 = a log2 byte (d = 2^((e - 160) / 8))
 
 
 CODE_F32 = 0
@@ -76,7 +79,9 @@ CODE_NL3 = 14
 CODE_NL2 = 15
 CODE_KLT3 = 16
 CODE_KLT2 = 17
-N_CODES = 18
+CODE_NL3B = 18
+CODE_NL2B = 19
+N_CODES = 20
 
 _F = KVFormat
 # name                 code            bs  bytes  bits   kind     ggml type
@@ -101,6 +106,9 @@ KV_FORMATS: dict[str, KVFormat] = {f.name: f for f in (
     _F("klt3",     CODE_KLT3,     64, 26,  3.25, "klt",   None, nl_runs=((2, 8), (2, 6), (4, 5), (8, 4), (16, 3), (32, 2))),
     # 2 + 4*6 + 4*4 + 8*3 + 16*2 + 32*1 bits = 2 + 16 bytes
     _F("klt2",     CODE_KLT2,     64, 18,  2.25, "klt",   None, nl_runs=((4, 6), (4, 4), (8, 3), (16, 2), (32, 1))),
+    # nl3 / nl2 with the block scale in one log2 byte (steps of 2^(1/8)): an eighth of a bit less per value
+    _F("nl3b",     CODE_NL3B,     64, 25, 3.125, "nl",    None, nl_runs=((64, 3),), nl_scale=1),
+    _F("nl2b",     CODE_NL2B,     64, 17, 2.125, "nl",    None, nl_runs=((64, 2),), nl_scale=1),
 )}
 del _F
 
@@ -113,7 +121,7 @@ def _check_table() -> None:
         if f.kind in ("nl", "klt"):
             assert sum(n for n, _ in f.nl_runs) == f.block_size == 64, f
             nbits = sum(n * b for n, b in f.nl_runs)
-            assert nbits % 8 == 0 and 2 + nbits // 8 == f.block_bytes, f
+            assert nbits % 8 == 0 and f.nl_scale + nbits // 8 == f.block_bytes and f.nl_scale in (1, 2), f
             assert all(n & (n - 1) == 0 and 1 <= b <= 8 for n, b in f.nl_runs), f   # Hadamard per run
     assert sorted(KV_CODES) == list(range(len(KV_FORMATS))) == list(range(N_CODES))
 

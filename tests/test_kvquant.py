@@ -102,7 +102,7 @@ def gguf_dequant(fmt, raw, hd):
 def test_format_table():
     assert set(F.KV_FORMATS) == {"f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1",
                                  "iq4_nl", "fp8_e4m3", "fp8_e5m2", "int4", "int2", "nl4", "nl3", "nl2",
-                                 "klt3", "klt2"}
+                                 "klt3", "klt2", "nl3b", "nl2b"}
     codes = [f.code for f in F.KV_FORMATS.values()]
     assert len(set(codes)) == len(codes)
     from gguf.constants import GGML_QUANT_SIZES
@@ -116,7 +116,7 @@ def test_format_table():
 def test_row_bytes_hd64():
     want = {"f32": 256, "f16": 128, "bf16": 128, "q8_0": 68, "q4_0": 36, "q4_1": 40, "q5_0": 44,
             "q5_1": 48, "iq4_nl": 36, "fp8_e4m3": 68, "fp8_e5m2": 68, "int4": 40, "int2": 24,
-            "nl4": 34, "nl3": 26, "nl2": 18, "klt3": 26, "klt2": 18}
+            "nl4": 34, "nl3": 26, "nl2": 18, "klt3": 26, "klt2": 18, "nl3b": 25, "nl2b": 17}
     assert {n: F.row_bytes(n, 64) for n in ALL} == want
     with pytest.raises(ValueError):
         F.row_bytes("q8_0", 48)
@@ -405,7 +405,7 @@ def test_fp8(fmt):
 _LM_MSE = {1: 0.3634, 2: 0.1175, 3: 0.03454, 4: 0.009497, 5: 0.002499, 6: 0.000642, 8: 0.0000814}
 
 
-@pytest.mark.parametrize("fmt", ["nl4", "nl3", "nl2", "klt3", "klt2"])
+@pytest.mark.parametrize("fmt", ["nl4", "nl3", "nl2", "klt3", "klt2", "nl3b", "nl2b"])
 def test_nl_rows(fmt):
     """The bytes decode (numpy bit stream, code widths from the format's nl_runs) to d * level, each
     code is the level nearest x / d for the stored d, and on Gaussian rows the error is at most what the
@@ -417,8 +417,8 @@ def test_nl_rows(fmt):
     tabs = {b: NL_TABLE[b, :1 << b].astype(np.float64) for b in set(widths.tolist())}
     for tab in tabs.values():
         assert (np.diff(tab) > 0).all() and np.allclose(tab, -tab[::-1])
-    bb = f.block_bytes
-    assert bb == 2 + widths.sum() // 8
+    bb, sb = f.block_bytes, f.nl_scale
+    assert bb == sb + widths.sum() // 8
     for label, x in ROWS:
         if label.startswith("huge"):
             continue      # scales past f16's range
@@ -426,8 +426,11 @@ def test_nl_rows(fmt):
         deq = dqrow(fmt, got, x.shape[0])
         for b in range(x.shape[0] // 64):
             blk = got[bb * b:bb * (b + 1)]
-            d = blk[:2].view(np.float16)[0].astype(np.float64)
-            stream = np.unpackbits(blk[2:], bitorder="little")
+            if sb == 2:
+                d = blk[:2].view(np.float16)[0].astype(np.float64)
+            else:       # d = 2^((e - 160) / 8), the nearer step of the two around the fitted scale
+                d = 0.0 if blk[0] == 0 else float(np.float32(2.0 ** ((int(blk[0]) - 160) / 8)))
+            stream = np.unpackbits(blk[2 if sb == 2 else 1:], bitorder="little")
             codes = np.array([(stream[o:o + w] * (1 << np.arange(w))).sum() for o, w in zip(offs, widths)])
             want = np.array([d * tabs[w][c] for w, c in zip(widths, codes)])
             np.testing.assert_allclose(deq[64 * b:64 * (b + 1)], want, rtol=1e-6, atol=1e-30)
@@ -438,7 +441,8 @@ def test_nl_rows(fmt):
                     assert abs(xb[j] / d - t[codes[j]]) <= np.abs(xb[j] / d - t).min() + 1e-5, (label, j)
     X = np.random.default_rng(3).standard_normal((64, 128)).astype(np.float32)
     err = sum(((dqrow(fmt, qrow(fmt, x), 128) - x) ** 2).sum() for x in X) / (X ** 2).sum()
-    assert err < 1.01 * np.mean([_LM_MSE[w] for w in widths])
+    # the byte scale's steps of 2^(1/8) cost a little against the f16 scale (measured 0.2 % for nl2b)
+    assert err < (1.01 if sb == 2 else 1.02) * np.mean([_LM_MSE[w] for w in widths])
 
 
 # ------------------------------------------------------------------------------------------------

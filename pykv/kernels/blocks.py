@@ -60,8 +60,12 @@ for _b in (7, 8):
 NL_BITS = np.zeros((N_CODES, 64), np.int32)
 NL_OFF = np.zeros((N_CODES, 64), np.int32)
 NL_BYTES = np.zeros(N_CODES, np.int32)
+NL_SCALE = np.zeros(N_CODES, np.int32)     # bytes of the block scale: 2 = f16 d, 1 = log2 byte (NL_E8)
+# the byte scale e -> d = 2^((e - 160) / 8) (e = 0: 0.0): 2^-19.9 .. 2^11.9 in steps of 2^(1/8)
+NL_E8 = np.array([0.0] + [2.0 ** ((e - 160) / 8) for e in range(1, 256)], np.float32)
 for _f in KV_FORMATS.values():
     if _f.nl_runs:
+        NL_SCALE[_f.code] = _f.nl_scale
         _w = np.concatenate([np.full(n, b, np.int32) for n, b in _f.nl_runs])
         NL_BITS[_f.code] = _w
         NL_OFF[_f.code] = np.concatenate([[0], np.cumsum(_w)[:-1]])
@@ -70,7 +74,7 @@ del _b, _h, _n, _f, _w
 
 __all__ = ["deq_q8_0", "deq_q4_0", "deq_q4_1", "deq_q5", "deq_iq4_nl", "deq_int2", "deq_f32",
            "deq_f16", "deq_bf16", "deq_fp8", "deq_rows", "deq_kivi_k_rows", "deq_unit", "deq_kivi_k_unit", "rd_f16",
-           "rd_f32", "rd_u32", "KVALUES_IQ4NL", "IQ4NL_F", "NL_TABLE", "NL_BITS", "NL_OFF", "NL_BYTES", "deq_nl"]
+           "rd_f32", "rd_u32", "KVALUES_IQ4NL", "IQ4NL_F", "NL_TABLE", "NL_BITS", "NL_OFF", "NL_BYTES", "NL_SCALE", "NL_E8", "deq_nl"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -154,15 +158,17 @@ def deq_int2(src, so, out, oo, qb):
 
 @njit(cache=True, inline="always")
 def deq_nl(src, so, out, oo, code):
-    """nl-family block of 64 [f16 d][code bytes] (format `code`: nl4/nl3/nl2, klt3/klt2): element j's
-    code is the NL_BITS[code, j] bits from bit NL_OFF[code, j] of the code bytes read as one
-    little-endian bit stream; value = d * NL_TABLE[bits, code] (code widths <= 8)."""
+    """nl-family block of 64 [scale][code bytes] (format `code`: nl4/nl3/nl2, klt3/klt2, nl3b/nl2b; the
+    scale an f16 d, or one byte e: d = NL_E8[e]): element j's code is the NL_BITS[code, j] bits from
+    bit NL_OFF[code, j] of the code bytes read as one little-endian bit stream; value = d *
+    NL_TABLE[bits, code] (code widths <= 8)."""
     o = U(so)
-    d = rd_f16(src, o)
+    sb = NL_SCALE[code]
+    d = rd_f16(src, o) if sb == 2 else NL_E8[src[o]]
     for j in range(64):
         bits = NL_BITS[code, j]
         bit = NL_OFF[code, j]
-        p = o + U(2 + (bit >> 3))
+        p = o + U(sb + (bit >> 3))
         sh = bit & 7
         v = np.int32(src[p]) >> sh
         if sh + bits > 8:
@@ -254,7 +260,7 @@ def deq_rows(code, src, o0, rb, n, out):
             row = out[r]
             for b in range(nb):
                 deq_int2(src, o0 + r * rb + 12 * b, row, 32 * b, qb)
-    elif NL_BYTES[code] > 0:         # nl4 / nl3 / nl2 / klt3 / klt2
+    elif NL_BYTES[code] > 0:         # nl4 / nl3 / nl2 / klt3 / klt2 / nl3b / nl2b
         bb = NL_BYTES[code]
         for r in range(n):
             row = out[r]

@@ -39,7 +39,9 @@ Byte layouts (little endian):
     m = min rounded DOWN to f16, d = (max - m) / (2^bits - 1) rounded UP to f16, so that
     [m, m + d * qmax] covers the group; code = round_half_away((x - m) / d) clamped to [0, qmax];
     value = code * d + m  ->  |x - value| <= d / 2 (plus float rounding).
-  nl4 / nl3 / nl2, klt3 / klt2: blocks of 64, [f16 d][codes as one little-endian bit stream, element j
+  nl4 / nl3 / nl2, klt3 / klt2, nl3b / nl2b: blocks of 64, [f16 d, or (nl3b / nl2b) one byte e with
+    d = blocks.NL_E8[e] = 2^((e - 160) / 8), the nearer of the two steps around the fitted d by the
+    block's squared error][codes as one little-endian bit stream, element j
     taking blocks.NL_BITS[code, j] bits (nl: the same for all, klt: runs of widths, formats.nl_runs)];
     value = d * NL_TABLE[bits, code] (blocks.NL_TABLE: Lloyd-Max levels of a unit Gaussian).  d starts
     at the block's RMS and takes 4 Lloyd steps (nearest level, then d = sum(x q) / sum(q q)); the codes
@@ -63,7 +65,7 @@ from numba import njit, prange
 
 from ..formats import (CODE_BF16, CODE_F16, CODE_F32, CODE_FP8_E4M3, CODE_FP8_E5M2, CODE_INT2,
                        CODE_INT4, CODE_IQ4_NL, CODE_Q4_0, CODE_Q4_1, CODE_Q5_0, CODE_Q5_1, CODE_Q8_0)
-from .blocks import IQ4NL_F, NL_BITS, NL_BYTES, NL_OFF, NL_TABLE, deq_rows, rd_f16
+from .blocks import IQ4NL_F, NL_BITS, NL_BYTES, NL_E8, NL_OFF, NL_SCALE, NL_TABLE, deq_rows, rd_f16
 from .simd import bits_f32, f32_bits, floorf, fmul_rn, h2f
 
 # ----------------------------------------------------------------------------------------------
@@ -369,6 +371,18 @@ def _nl_index(v, bits):
 
 
 @njit(cache=True)
+def _nl_sse(x, xo, code, d):
+    """Squared error of block x[xo:xo+64] stored with scale d (each code the nearest level)."""
+    idd = np.float32(1.0) / d
+    e = np.float32(0.0)
+    for j in range(64):
+        bits = NL_BITS[code, j]
+        r = x[xo + j] - d * NL_TABLE[bits, _nl_index(fmul_rn(x[xo + j], idd), bits)]
+        e += fmul_rn(r, r)
+    return e
+
+
+@njit(cache=True)
 def _qblk_nl(x, xo, dst, do, code):
     """nl-family block (format `code`, position widths NL_BITS[code]) of x[xo:xo+64] -> dst[do:]."""
     ss = np.float32(0.0)
@@ -387,17 +401,27 @@ def _qblk_nl(x, xo, dst, do, code):
             sqx += fmul_rn(q, x[xo + j])
             sq2 += fmul_rn(q, q)
         d = sqx / sq2
-    h = f32_to_f16_bits(d)
-    wr_u16(dst, do, h)
-    dh = h2f(np.uint16(h))
+    sb = NL_SCALE[code]
+    if sb == 2:
+        h = f32_to_f16_bits(d)
+        wr_u16(dst, do, h)
+        dh = h2f(np.uint16(h))
+    else:                            # the byte scale: the better of the two steps around d
+        e = 0
+        if d > np.float32(0.0):
+            lo = min(max(np.int64(math.floor(np.float32(8.0) * math.log2(d))) + 160, 1), 255)
+            hi = min(lo + 1, 255)
+            e = lo if _nl_sse(x, xo, code, NL_E8[lo]) <= _nl_sse(x, xo, code, NL_E8[hi]) else hi
+        dst[do] = np.uint8(e)
+        dh = NL_E8[e]
     idd = np.float32(1.0) / dh if dh != np.float32(0.0) else np.float32(0.0)
-    for k in range(NL_BYTES[code] - 2):
-        dst[do + 2 + k] = np.uint8(0)
+    for k in range(NL_BYTES[code] - sb):
+        dst[do + sb + k] = np.uint8(0)
     for j in range(64):
         bits = NL_BITS[code, j]
         c = _nl_index(fmul_rn(x[xo + j], idd), bits)
         bit = NL_OFF[code, j]
-        p = do + 2 + (bit >> 3)
+        p = do + sb + (bit >> 3)
         sh = bit & 7
         dst[p] |= np.uint8((c << sh) & 0xFF)
         if sh + bits > 8:
@@ -581,7 +605,7 @@ def quantize_block(code, x, b, dst):
         _qgrp_kivi(x, b, dst, 4)
     elif code == CODE_INT2:
         _qgrp_kivi(x, b, dst, 2)
-    elif NL_BYTES[code] > 0:           # nl4 / nl3 / nl2 / klt3 / klt2
+    elif NL_BYTES[code] > 0:           # nl4 / nl3 / nl2 / klt3 / klt2 / nl3b / nl2b
         _qblk_nl(x, 64 * b, dst, NL_BYTES[code] * b, code)
 
 
