@@ -32,7 +32,7 @@ import numpy as np
 from .config import PykvError
 from .formats import KV_FORMATS, kv_bytes_per_token_head, parse_kv_type
 
-DEFAULT_TYPES = ("q8_0", "q5_1", "q5_0", "q4_1", "q4_0", "iq4_nl", "nl4", "klt3", "nl3", "nl3b", "klt2", "nl2", "nl2b")
+DEFAULT_TYPES = ("q8_0", "q5_1", "q5_0", "q4_1", "q4_0", "iq4_nl", "nl4", "nl3", "nl3b", "nl2", "nl2b")
 CALIB_TOKENS = 512   # kv-sensitivity's default; plans calibrate at the model's context (plan_for)
 PLAN_VERSION = 3     # 2: query-aware key smoothing, pre-RoPE keys; 3: klt keys probed per layer group
 N_SINK = 4           # kv_cache.N_SINK (the default sink rows)

@@ -2,7 +2,10 @@
 per-layer plans and llama.cpp's uniform types, from tools/kv_auto.py's JSON. matplotlib is an optional
 extra (`pip install pykv[plot]`); without it the figure is skipped.
 
-    python tools/kv_plot.py kv_auto.json [-o docs/kv_auto.png]
+    python tools/kv_plot.py kv_auto.json [more.json ...] [-o docs/kv_auto.png]
+
+Several files (one kv_auto run per target) are merged: their uniform rows (by type name, the first
+file's row wins), plans and llama.cpp points.
 """
 import argparse
 import json
@@ -11,11 +14,17 @@ import sys
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("json")
+    ap.add_argument("json", nargs="+")
     ap.add_argument("-o", "--out", default="docs/kv_auto.png")
     a = ap.parse_args()
-    with open(a.json, encoding="utf-8") as f:
-        d = json.load(f)
+    d = {"uniform": [], "plans": [], "llamacpp": []}
+    for path in a.json:
+        with open(path, encoding="utf-8") as f:
+            part = json.load(f)
+        seen = {r["kv_type"] for r in d["uniform"]}
+        d["uniform"] += [r for r in part.get("uniform", []) if r["kv_type"] not in seen]
+        d["plans"] += part.get("plans", [])
+        d["llamacpp"] = d["llamacpp"] or part.get("llamacpp", [])
     try:
         import matplotlib
         matplotlib.use("Agg")
