@@ -126,12 +126,12 @@ class KVCache:
         for f in k_fmts + v_fmts:
             if f.kind in ("nl", "klt") and be.name != "cpu":
                 raise PykvError(f"KV type {f.name} runs on the CPU only for now (device {be.name})")
+            if HD % f.block_size:
+                raise PykvError(f"KV type {f.name} needs head_dim divisible by {f.block_size} (head_dim {HD})")
         for f in v_fmts:
             if f.kind == "klt":
                 raise PykvError(f"KV type {f.name} is a key type (its calibrated transform is for keys); "
                                 "use it with -ctk, not -ctv")
-            if HD % f.block_size:
-                raise PykvError(f"KV type {f.name} needs head_dim divisible by {f.block_size} (head_dim {HD})")
         self.max_pages_per_seq = math.ceil(self.n_ctx / self.P)
         self.page_bytes = [(self._page_bytes(kf, True), self._page_bytes(vf, False))
                            for kf, vf in zip(k_fmts, v_fmts)]
