@@ -25,6 +25,7 @@ def main():
         d["uniform"] += [r for r in part.get("uniform", []) if r["kv_type"] not in seen]
         d["plans"] += part.get("plans", [])
         d["llamacpp"] = d["llamacpp"] or part.get("llamacpp", [])
+        d.setdefault("ctx", part.get("ctx"))
     try:
         import matplotlib
         matplotlib.use("Agg")
