@@ -14,26 +14,13 @@ from .gguf_io import WEIGHT_TYPES, GGUFFile, open_model
 from .kernels import matmul as mm
 from .kernels.backend import Backend, get_backend
 from .kernels.ops import rope_tables
-from .kv_cache import N_SINK, KVCache, Sequence
+from .kv_cache import N_SINK, KVCache, Sequence, _fmt_list
 from .tokenizer import Tokenizer
 
 NORM_TYPES = {GT.F32}
 ROTATE_SEED = 0x5EED
 # Rotation is on by default for every quantized KV type: with it the KL divergence to the f16-cache
 # run measured lower for each of them (tools/kv_table.py --rotate flip; README's KV table).
-
-
-def _kv_formats(types) -> list:
-    """The formats named by a KV type argument (one name or format, or a per-layer list); names that
-    do not parse are left for KVCache to refuse."""
-    from .formats import parse_kv_type
-    out = []
-    for t in ([types] if isinstance(types, str) or not hasattr(types, "__iter__") else list(types)):
-        try:
-            out.append(parse_kv_type(t))
-        except ValueError:
-            pass
-    return out
 
 
 @dataclass
@@ -192,7 +179,8 @@ class Model:
         if kv_window_type is not None:
             self._kv_opts["kv_window_type"] = kv_window_type
         stats = None
-        if any(f.kind == "klt" for f in _kv_formats(kv_type_k)):     # calibrated on an f16 cache first
+        if any(f.kind == "klt" for f in _fmt_list(kv_type_k, self.config.n_layers, "cache-type-k")):
+            # the klt key transform is calibrated on an f16 cache first
             from . import kv_transform
             stats = kv_transform.calib_stats(self)
         self.cache = KVCache(self.config, self.n_ctx, kv_type_k, kv_type_v, backend=self.be, **self._kv_opts)

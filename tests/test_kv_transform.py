@@ -103,7 +103,7 @@ def test_layer_maps_fold_the_rotation():
     assert X.layer_maps(st, [F.KV_FORMATS["nl2"]], sign) == [None]
 
 
-def test_klt_is_refused_for_values_and_off_the_cpu():
+def test_klt_is_refused_for_values():
     from pykv.config import Config, PykvError
     from pykv.kv_cache import KVCache
     cfg = Config(arch="llama", n_layers=2, dim=128, ff_dim=256, n_heads=2, n_kv_heads=1, rope_base=10000.0,

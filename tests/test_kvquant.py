@@ -401,8 +401,8 @@ def test_fp8(fmt):
 # ------------------------------------------------------------------------------------------------
 
 # Lloyd-Max mean squared error of a unit Gaussian at 1..6 bits (Max 1960), and 8 bits: NL_TABLE's uniform
-# levels on +-4 (step 1/32: step^2 / 12 plus the tails)
-_LM_MSE = {1: 0.3634, 2: 0.1175, 3: 0.03454, 4: 0.009497, 5: 0.002499, 6: 0.000642, 8: 0.0000814}
+# levels on +-4 (measured on 2M samples: step^2 / 12 = 8.1e-5 plus the tails)
+_LM_MSE = {1: 0.3634, 2: 0.1175, 3: 0.03454, 4: 0.009497, 5: 0.002499, 6: 0.000642, 8: 0.0000897}
 
 
 @pytest.mark.parametrize("fmt", ["nl4", "nl3", "nl2", "klt3", "klt2", "nl3b", "nl2b"])

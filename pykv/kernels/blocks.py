@@ -51,7 +51,8 @@ NL_MAXBITS = 8
 NL_TABLE = np.zeros((NL_MAXBITS + 1, 1 << NL_MAXBITS), np.float32)   # (bits, level)
 for _b, _h in _LM.items():
     NL_TABLE[_b, :1 << _b] = [-v for v in _h[::-1]] + _h
-# 7 / 8 bits: uniform levels on +-4 (within 1 % of Lloyd-Max's MSE there; no long literal table)
+# 7 / 8 bits: uniform levels on +-4, no long literal table (8 bits, unit Gaussian: MSE 9.0e-5 against
+# Lloyd-Max's 5.6e-5; klt3 uses it for its first two channels)
 for _b in (7, 8):
     _n = 1 << _b
     NL_TABLE[_b, :_n] = (np.arange(_n) - (_n - 1) / 2) * (8.0 / _n)
