@@ -47,6 +47,7 @@ from .simd import bits_f32, prefetch
 TILE = 32          # keys per segment (the f32 K and V tiles: TILE x HD floats each)
 PF_AHEAD = 2       # segments ahead whose pool rows are prefetched
 QBLOCK = 8         # query tokens per work item in prefill
+SERIAL_KEYS = 384  # decode steps with at most this many (keys x KV heads) run on the calling thread
 _FM = {"reassoc", "contract", "nsz", "arcp"}   # no nnan / ninf: -inf is a real state here
 
 
@@ -365,6 +366,25 @@ def _item(q, kpool, vpool, kres, vres, ksink, vsink, page_table, n_past, ns_k, n
                 st[2 + i] = acc[x, i]
 
 
+@njit(cache=True, nogil=True, fastmath=_FM, inline="always")
+def _work(q, kpool, vpool, kres, vres, ksink, vsink, page_table, n_past, ns_k, ns_v, nq_k, nq_v, wk, wv, P,
+          kcode, kbits, vcode, rcode, chunk, part, kx, cos, sin, it, C, NB, QB):
+    """Work item it of attend: (KV head, key chunk, query block)."""
+    # query blocks zig-zag (0, NB-1, 1, NB-2, ...) so a static split of the iterations gives
+    # every thread a similar share of the causal work
+    T = q.shape[0]
+    z = it % NB
+    bq = z // 2 if z % 2 == 0 else NB - 1 - z // 2
+    c = (it // NB) % C
+    g = it // (NB * C)
+    t0 = bq * QB
+    t1 = min(t0 + QB, T)
+    j0 = c * chunk
+    j1 = min(j0 + chunk, n_past + t1)
+    _item(q, kpool, vpool, kres, vres, ksink, vsink, page_table, n_past, ns_k, ns_v, nq_k, nq_v, wk, wv, P,
+          kcode, kbits, vcode, rcode, g, t0, t1, j0, j1, part, c, kx, cos, sin)
+
+
 @njit(cache=True, nogil=True, parallel=True, fastmath=_FM)
 def attend(q, kpool, vpool, kres, vres, ksink, vsink, page_table, n_past, ns_k, ns_v, nq_k, nq_v, wk, wv, P,
            kcode, kbits, vcode, rcode, chunk, part, out, kx, cos, sin):
@@ -387,19 +407,15 @@ def attend(q, kpool, vpool, kres, vres, ksink, vsink, page_table, n_past, ns_k, 
     QB = min(T, QBLOCK)
     NB = (T + QB - 1) // QB
     n_items = KVH * C * NB
-    for it in prange(n_items):
-        # query blocks zig-zag (0, NB-1, 1, NB-2, ...) so a static split of the iterations gives
-        # every thread a similar share of the causal work
-        z = it % NB
-        bq = z // 2 if z % 2 == 0 else NB - 1 - z // 2
-        c = (it // NB) % C
-        g = it // (NB * C)
-        t0 = bq * QB
-        t1 = min(t0 + QB, T)
-        j0 = c * chunk
-        j1 = min(j0 + chunk, n_past + t1)
-        _item(q, kpool, vpool, kres, vres, ksink, vsink, page_table, n_past, ns_k, ns_v, nq_k, nq_v, wk, wv, P,
-              kcode, kbits, vcode, rcode, g, t0, t1, j0, j1, part, c, kx, cos, sin)
+    if T == 1 and (n_past + 1) * KVH <= SERIAL_KEYS:
+        # a short decode step: less work than waking the threads costs (a parallel region's launch)
+        for it in range(n_items):
+            _work(q, kpool, vpool, kres, vres, ksink, vsink, page_table, n_past, ns_k, ns_v, nq_k, nq_v, wk, wv,
+                  P, kcode, kbits, vcode, rcode, chunk, part, kx, cos, sin, it, C, NB, QB)
+    else:
+        for it in prange(n_items):
+            _work(q, kpool, vpool, kres, vres, ksink, vsink, page_table, n_past, ns_k, ns_v, nq_k, nq_v, wk, wv,
+                  P, kcode, kbits, vcode, rcode, chunk, part, kx, cos, sin, it, C, NB, QB)
     if T * H <= 64:      # decode: a few heads, not worth a second parallel region (its launch)
         for th in range(T * H):
             _merge(part, C, G, th // H, th % H, out)
