@@ -34,6 +34,8 @@ class LayerWeights:
     w_gate: mm.Weight       # (FF, D)
     w_up: mm.Weight         # (FF, D)
     w_down: mm.Weight       # (D, FF)
+    qkv: object = None      # (wq, wk, wv) and (w_gate, w_up) as the backend's matmul.fuse prepares them
+    gate_up: object = None
 
 
 @dataclass
@@ -69,6 +71,8 @@ class Weights:
                 vec(p + "attn_norm.weight"), mat(p + "attn_q.weight", D, D), mat(p + "attn_k.weight", KV, D),
                 mat(p + "attn_v.weight", KV, D), mat(p + "attn_output.weight", D, D), vec(p + "ffn_norm.weight"),
                 mat(p + "ffn_gate.weight", FF, D), mat(p + "ffn_up.weight", FF, D), mat(p + "ffn_down.weight", D, FF)))
+            lw = layers[-1]
+            lw.qkv, lw.gate_up = be.matmul.fuse((lw.wq, lw.wk, lw.wv)), be.matmul.fuse((lw.w_gate, lw.w_up))
         embd = mat("token_embd.weight", V, D)
         out = mat("output.weight", V, D) if "output.weight" in gf.tensors else embd
         freqs = None
@@ -228,7 +232,7 @@ class Model:
             ops.add_rmsnorm_act(x, st.o[:T], lw.attn_norm, cfg.norm_eps, ad.x, ad.xf)
         ad.mark(T)
         q, k, v = st.q[:T], st.k[:T], st.v[:T]
-        mm.matmul_fused((lw.wq, lw.wk, lw.wv), ad, (q, k, v))
+        mm.matmul_fused(lw.qkv, ad, (q, k, v))
         q3, k3, v3 = q.reshape(T, H, HD), k.reshape(T, KVH, HD), v.reshape(T, KVH, HD)
         n_past = seq.n_tokens
         smooth = cache.k_smooth[li]
@@ -263,7 +267,7 @@ class Model:
         mm.matmul(lw.wo, ad, o)
         ops.add_rmsnorm_act(x, o, lw.ffn_norm, cfg.norm_eps, ad.x, ad.xf)
         ad.mark(T)
-        mm.matmul_fused((lw.w_gate, lw.w_up), ad, (st.g[:T], st.u[:T]))
+        mm.matmul_fused(lw.gate_up, ad, (st.g[:T], st.u[:T]))
         ops.swiglu_act(st.g[:T], st.u[:T], af.x, af.xf)
         af.mark(T)
         mm.matmul(lw.w_down, af, o)

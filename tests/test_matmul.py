@@ -330,6 +330,38 @@ def test_tile_paths_exact_and_fused(T, threads, tile_kind):
         assert np.abs(out - ref).max() <= 1e-5 * np.abs(ref).max(), (w, T)
 
 
+@pytest.mark.parametrize("T", [1, 20])
+def test_fuse_plan_equals_separate_calls(T):
+    """matmul_fused through a fuse() plan (the model's Q/K/V and gate/up; the second call runs the kept
+    entry point) gives every weight's output bit-for-bit as its own matmul call, for a one-region mix
+    (Q4_0 / Q8_0 / Q5_1 integer tiles), a pair, and a set that cannot share a region (a partial row tile)."""
+    rng = np.random.default_rng(7 + T)
+    cols = 256
+    sets = [((GT.Q4_0, 64), (GT.Q8_0, 128), (GT.Q5_1, 64)), ((GT.Q4_1, 128), (GT.Q8_0, 64)),
+            ((GT.Q4_1, 64), (GT.Q8_0, 200))]
+    x = rng.standard_normal((T, cols)).astype(np.float32)
+    for spec in sets:
+        ws = [M.prepare_weight(int(t), make_weight(t, rows, cols, rng)[0], rows, cols) for t, rows in spec]
+        plan = M.fuse(ws)
+        assert list(plan) == ws and len(plan) == len(ws)
+        assert bool(plan.ok) == all(w.rows % w.qt.shape[3] == 0 for w in ws), spec
+        refs = []
+        for w in ws:
+            a1 = M.Act(cols, 32)
+            a1.set(x)
+            refs.append(np.zeros((T, w.rows), np.float32))
+            M.matmul(w, a1, refs[-1])
+        for rep in range(2):
+            act = M.Act(cols, 32)
+            act.set(x)
+            outs = [np.full((T, w.rows), np.nan, np.float32) for w in ws]
+            M.matmul_fused(plan, act, outs)
+            for w, o, r in zip(ws, outs, refs):
+                assert np.array_equal(o, r), (spec, w, rep)
+    with pytest.raises(ValueError):        # the outputs are still checked on the planned path
+        M.matmul_fused(M.fuse(ws[:2]), act, [np.zeros((T, 3), np.float32)] * 2)
+
+
 @pytest.mark.parametrize("bad", [0x7C00, 0xFC00, 0x7E01], ids=["inf", "-inf", "nan"])
 @pytest.mark.parametrize("gt", [GT.Q8_0, GT.Q4_1, GT.Q4_0], ids=lambda t: t.name)
 def test_nonfinite_scale_keeps_generic_kernel(gt, bad):

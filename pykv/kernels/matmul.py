@@ -6,6 +6,7 @@ Public API (used by the model code):
     Act(cols, max_tokens); act.set(x)                           # x float32 (T, cols)
     matmul(w, act, out)                                         # out[:T] = x @ W.T  (out float32 (>=T, rows))
     matmul_fused((wq, wk, wv), act, (q, k, v))                  # 2-3 weights, one parallel region (decode)
+    fuse((wq, wk, wv))                                          # their one-region choice, made once (load)
     get_rows(w, ids, out)                                       # out[i] = dequantize(W[ids[i]])
     set_exact(flag)                                             # True: float activations (checking)
 
@@ -58,10 +59,11 @@ from gguf import GGMLQuantizationType as _GT
 from ..formats import KV_FORMATS
 from .blocks import KVALUES_IQ4NL, deq_rows, rd_f16
 from .simd import h2f
+# (the tiles' weight-prefetch policy per ISA class: kernels.tiles PF_BYTES / KPF_AHEAD)
 from .tiles import (ISA, KTILE_ROWS, TILE_ROWS, dot_ktile_q2k, dot_ktile_q3k, dot_ktile_q4k, dot_ktile_q5k,
                     dot_ktile_q6k, dot_tile_by, repack_ktile)
 
-__all__ = ["Weight", "Act", "prepare_weight", "matmul", "matmul_fused", "get_rows", "set_exact", "quantize_act_q8",
+__all__ = ["Weight", "Act", "prepare_weight", "matmul", "matmul_fused", "fuse", "Fused", "get_rows", "set_exact", "quantize_act_q8",
            "quantize_act_q8k", "SUPPORTED_TYPES", "ISA"]
 
 # fast-math without nnan/ninf (keeps inf/nan semantics honest) and without denormal flushing
@@ -1111,30 +1113,71 @@ def _matmul_blas(w: Weight, T: int, X: np.ndarray, out: np.ndarray) -> None:
     _blas.run([part(i, bounds[i], bounds[i + 1]) for i in range(nth)])
 
 
+class Fused:
+    """2 or 3 weights that share one activation (Q/K/V, gate/up) with matmul_fused's choice of one
+    parallel region made once, at load (fuse); iterates like the tuple of its weights."""
+
+    __slots__ = ("ws", "ok", "itile", "kinds", "cqt", "csc", "cols", "entry")
+
+    def __init__(self, ws):
+        self.ws = ws = tuple(ws)
+        self.entry = None             # the compiled _mm_itile_3 specialization for these kinds
+        self.itile = itile = all(w.kind in _ITILE_KINDS for w in ws)   # integer tiles, any mix of Q4 / Q5 / Q8
+        q4 = all(w.kind == _KIND_TILE_Q4 for w in ws)                    # float Q4 tiles: decode only
+        self.cols = ws[0].cols
+        # 0: one call each; 1: one region for integer tiles; 2: for float Q4 tiles while act.T is small
+        self.ok = 0
+        if 2 <= len(ws) <= 3 and (itile or q4) and all(w.cols == self.cols and w.rows % w.qt.shape[3] == 0
+                                                       for w in ws):
+            self.ok = 1 if itile else 2
+            c = ws[2] if len(ws) == 3 else ws[1]
+            n = c.qt.shape[0] if len(ws) == 3 else 0       # two weights: an empty third
+            self.cqt, self.csc = c.qt[:n], c.sc[:n]
+            self.kinds = (ws[0].kind, ws[1].kind, c.kind)
+
+    def __iter__(self):
+        return iter(self.ws)
+
+    def __len__(self):
+        return len(self.ws)
+
+    def __getitem__(self, i):
+        return self.ws[i]
+
+
+def fuse(ws) -> Fused:
+    """The weights ws (2 or 3, sharing an activation) prepared for matmul_fused (Model keeps one per
+    Q/K/V and gate/up, so a decode step does not redo the checks)."""
+    return Fused(ws)
+
+
 def matmul_fused(ws, act: Act, outs) -> None:
-    """matmul(ws[i], act, outs[i]) for 2 or 3 weights sharing act, in one parallel region when they
-    are all full-tile integer tile weights (Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0, any mix: one region for a
-    Q4_K_M file's Q5_0 Q/K and Q8_0 V), or float Q4 tile weights with act.T small (decode); otherwise
-    one call each."""
+    """matmul(ws[i], act, outs[i]) for 2 or 3 weights sharing act (a Fused from fuse, or a tuple), in
+    one parallel region when they are all full-tile integer tile weights (Q4_0 / Q4_1 / Q5_0 / Q5_1 /
+    Q8_0, any mix: one region for a Q4_K_M file's Q5_0 Q/K and Q8_0 V), or float Q4 tile weights with
+    act.T small (decode); otherwise one call each."""
+    f = ws if isinstance(ws, Fused) else Fused(ws)
     T = act.T
-    itile = all(w.kind in _ITILE_KINDS for w in ws)      # integer tiles, any mix of Q4 / Q5 / Q8
-    if (not _EXACT and 2 <= len(ws) <= 3
-            and (itile or (T < _BLAS_MIN_T and all(w.kind == _KIND_TILE_Q4 for w in ws)))
-            and all(w.cols == act.cols and w.rows % w.qt.shape[3] == 0 for w in ws)):
+    if not _EXACT and f.ok and f.cols == act.cols and (f.ok == 1 or T < _BLAS_MIN_T):
+        ws = f.ws
         for w, o in zip(ws, outs):
             _check_out(w, T, o)
         a, b = ws[0], ws[1]
         oa, ob = outs[0], outs[1]
-        c, oc = (ws[2], outs[2]) if len(ws) == 3 else (ws[1], outs[1])
-        n = c.qt.shape[0] if len(ws) == 3 else 0       # two weights: an empty third
-        if itile:
-            _call_kind(_mm_itile_3, (a.kind, b.kind, c.kind), not act._q8_ok, a.qt, a.sc, oa, b.qt, b.sc, ob, c.qt[:n], c.sc[:n], oc, T, act.x,
-                        act.xq, act.xd, act.xs, act.xf)
+        oc = outs[2] if len(ws) == 3 else ob
+        if f.ok == 1:
+            args = (not act._q8_ok, a.qt, a.sc, oa, b.qt, b.sc, ob, f.cqt, f.csc, oc, T, act.x, act.xq, act.xd,
+                    act.xs, act.xf)
+            if f.entry is None:       # compiles or loads the specialization, then keeps its entry point
+                _call_kind(_mm_itile_3, f.kinds, *args)
+                f.entry = _SPECIALIZED.get((_mm_itile_3, f.kinds))
+            else:
+                f.entry(*f.kinds, *args)
             act._q8_ok = True
         else:
-            _mm_tile_q4_3(a.qt, a.sc, oa, b.qt, b.sc, ob, c.qt[:n], c.sc[:n], oc, T, act.x, act.xf)
+            _mm_tile_q4_3(a.qt, a.sc, oa, b.qt, b.sc, ob, f.cqt, f.csc, oc, T, act.x, act.xf)
         return
-    for w, o in zip(ws, outs):
+    for w, o in zip(f.ws, outs):
         matmul(w, act, o)
 
 

@@ -278,10 +278,11 @@ def _tile_dot(fmt):
                     zxs = _splat(builder, builder.mul(_ld(builder, xap, b, I32, 4), ir.Constant(I32, z)), L)
                 sb = builder.mul(b, _c(nsc * R))
                 ahead = -(-PF_BYTES // (stride * R))           # blocks ahead to prefetch (past the tile: the next one's)
-                for o in range(0, stride * R, 64):
+                for o in range(0, stride * R if PF_BYTES else 0, 64):
                     _prefetch(builder, qtp, builder.add(qb, _c(ahead * stride * R + o)), PF_LOCALITY)
-                _prefetch(builder, builder.bitcast(scp, I8.as_pointer()),
-                          builder.mul(builder.add(b, _c(ahead)), _c(nsc * R * 2)), PF_LOCALITY)
+                if PF_BYTES:
+                    _prefetch(builder, builder.bitcast(scp, I8.as_pointer()),
+                              builder.mul(builder.add(b, _c(ahead)), _c(nsc * R * 2)), PF_LOCALITY)
                 for k in range(G):
                     pairs = []
                     if q5:
@@ -371,9 +372,13 @@ def dot_tile_by(fmts):
 
 KBYTES = {"q2k": 84, "q3k": 114, "q4k": 148, "q5k": 180, "q6k": 210}
 PF_LOCALITY = 0    # weights are read once per token: non-temporal prefetches
-PF_BYTES = 4096   # bytes ahead a Q4 / Q5 / Q8 tile prefetches its weights
-KPF_AHEAD = 4      # super-blocks ahead a K tile prefetches (from DRAM the hardware prefetcher lags:
-#                    1 thread Q4_K 6.2 -> 9.1 GB/s, Q6_K 3.0 -> 4.3 measured here)
+# Software prefetch of the weight stream helps where the hardware prefetcher lags (AVX2 Zen 3: 1 thread
+# Q4_K 6.2 -> 9.1 GB/s, Q6_K 3.0 -> 4.3) and hurts on the AVX-512 VNNI class's cores (Zen 4, 2 threads,
+# decode at depth 16 without / with it: Q4_0 4.78 / 5.42, Q4_1 5.0-5.5 / 5.8-5.9, Q4_K_M 6.2-6.8 / 7.7-8.3,
+# Q6_K 7.7-8.0 / 8.2-8.3 ms a token), so that class leaves it to the hardware.
+_PF = ISA != "avx512vnni"
+PF_BYTES = 4096 if _PF else 0    # bytes ahead a Q4 / Q5 / Q8 tile prefetches its weights (0: none)
+KPF_AHEAD = 4 if _PF else 0      # super-blocks ahead a K tile prefetches (0: none)
 
 # fmt -> (low bits per q in the qs plane @0, (high bits, their plane's offset) or None,
 #         offset of the per-16 scales (None: 6-bit sc / m per 32 at SB-20 / SB-12), offset z (q - z signed, no dmin))
@@ -422,7 +427,7 @@ def _ktile_dot(fmt):
                 b = loop.index
                 base = builder.mul(b, _c(SB * R))
                 xb0 = builder.mul(b, _c(256))
-                for o in range(0, SB * R, 64):   # the super-block KPF_AHEAD ahead (past the tile: the next one's)
+                for o in range(0, SB * R if KPF_AHEAD else 0, 64):   # the super-block KPF_AHEAD ahead (past the tile: the next one's)
                     _prefetch(builder, qtp, builder.add(base, _c(KPF_AHEAD * SB * R + o)), PF_LOCALITY)
                 isum = ci(0)
                 msum = ci(0)

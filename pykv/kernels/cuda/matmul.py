@@ -25,7 +25,7 @@ from ..blocks import IQ4NL_F
 from ..matmul import BF16, F16, F32, IQ4_NL, Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q8_0, SUPPORTED_TYPES
 from . import SIM, WL, grid, warp_sums
 
-__all__ = ["Weight", "Act", "prepare_weight", "matmul", "matmul_fused", "get_rows", "SUPPORTED_TYPES"]
+__all__ = ["Weight", "Act", "prepare_weight", "matmul", "matmul_fused", "fuse", "get_rows", "SUPPORTED_TYPES"]
 
 NW = 16 if SIM else 4    # warps (weight rows) per block; a warp: WL lanes (32 on a GPU, 2 simulated)
 TT = 8          # tokens per block
@@ -286,8 +286,13 @@ def matmul(w: Weight, act: Act, out) -> None:
         w.kind, w.raw, w.fw, w.rows, out, w.kind, w.raw, w.fw, 0, out, w.kind, w.raw, w.fw, 0, out, act.x, T)
 
 
+def fuse(ws) -> tuple:
+    """The CPU twin prepares its one-region choice here; one launch needs nothing: the weights' tuple."""
+    return tuple(ws)
+
+
 def matmul_fused(ws, act: Act, outs) -> None:
-    """matmul(ws[i], act, outs[i]) for 2 or 3 weights sharing act, in one launch."""
+    """matmul(ws[i], act, outs[i]) for 2 or 3 weights sharing act (a tuple, as fuse returns), in one launch."""
     T = act.T
     if not 2 <= len(ws) <= 3:
         for w, o in zip(ws, outs):
