@@ -1117,12 +1117,12 @@ class Fused:
     """2 or 3 weights that share one activation (Q/K/V, gate/up) with matmul_fused's choice of one
     parallel region made once, at load (fuse); iterates like the tuple of its weights."""
 
-    __slots__ = ("ws", "ok", "itile", "kinds", "cqt", "csc", "cols", "entry")
+    __slots__ = ("ws", "ok", "kinds", "cqt", "csc", "cols", "entry")
 
     def __init__(self, ws):
         self.ws = ws = tuple(ws)
         self.entry = None             # the compiled _mm_itile_3 specialization for these kinds
-        self.itile = itile = all(w.kind in _ITILE_KINDS for w in ws)   # integer tiles, any mix of Q4 / Q5 / Q8
+        itile = all(w.kind in _ITILE_KINDS for w in ws)                 # integer tiles, any mix of Q4 / Q5 / Q8
         q4 = all(w.kind == _KIND_TILE_Q4 for w in ws)                    # float Q4 tiles: decode only
         self.cols = ws[0].cols
         # 0: one call each; 1: one region for integer tiles; 2: for float Q4 tiles while act.T is small

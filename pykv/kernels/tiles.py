@@ -277,10 +277,10 @@ def _tile_dot(fmt):
                 if z:
                     zxs = _splat(builder, builder.mul(_ld(builder, xap, b, I32, 4), ir.Constant(I32, z)), L)
                 sb = builder.mul(b, _c(nsc * R))
-                ahead = -(-PF_BYTES // (stride * R))           # blocks ahead to prefetch (past the tile: the next one's)
-                for o in range(0, stride * R if PF_BYTES else 0, 64):
-                    _prefetch(builder, qtp, builder.add(qb, _c(ahead * stride * R + o)), PF_LOCALITY)
                 if PF_BYTES:
+                    ahead = -(-PF_BYTES // (stride * R))       # blocks ahead to prefetch (past the tile: the next one's)
+                    for o in range(0, stride * R, 64):
+                        _prefetch(builder, qtp, builder.add(qb, _c(ahead * stride * R + o)), PF_LOCALITY)
                     _prefetch(builder, builder.bitcast(scp, I8.as_pointer()),
                               builder.mul(builder.add(b, _c(ahead)), _c(nsc * R * 2)), PF_LOCALITY)
                 for k in range(G):
@@ -427,8 +427,9 @@ def _ktile_dot(fmt):
                 b = loop.index
                 base = builder.mul(b, _c(SB * R))
                 xb0 = builder.mul(b, _c(256))
-                for o in range(0, SB * R if KPF_AHEAD else 0, 64):   # the super-block KPF_AHEAD ahead (past the tile: the next one's)
-                    _prefetch(builder, qtp, builder.add(base, _c(KPF_AHEAD * SB * R + o)), PF_LOCALITY)
+                if KPF_AHEAD:                    # the super-block KPF_AHEAD ahead (past the tile: the next one's)
+                    for o in range(0, SB * R, 64):
+                        _prefetch(builder, qtp, builder.add(base, _c(KPF_AHEAD * SB * R + o)), PF_LOCALITY)
                 isum = ci(0)
                 msum = ci(0)
                 for t in range(8):
