@@ -13,7 +13,9 @@ incrementally in ascending order, so the whole sweep pays for one prefill of the
 Tokens are random ids (seeded), as in llama-bench.
 
 `--compare-llamacpp` runs the same cells through llama-cpp-python (optional extra `pykv[compare]`) with
-the same threads and KV types and prints pykv / llama.cpp per cell. llama.cpp needs flash attention for
+the same threads and KV types and prints pykv / llama.cpp per cell. `--llama-bench PATH` runs them through
+llama.cpp's own llama-bench binary instead (`-o json`), e.g. one built by `tools/build_llama_bench.py CLASS`
+for the ISA class pykv compiles for: the same-class peer. llama.cpp needs flash attention for
 a quantized V cache; with `-fa auto` (default) quantized-V cells use fa on and float-V cells run both
 fa on and off and report the better figure of each test. `-fa` only affects llama.cpp.
 """
@@ -308,19 +310,103 @@ def _llama_cells(path, plan, ctk, ctv, t, fa_mode, rng, log) -> tuple[dict, str 
     return best, ("; ".join(errors) if errors and not best else None)
 
 
+def llama_bench_isa(exe: str) -> str:
+    """The ISA class a llama-bench binary's ggml CPU backend was compiled for, from the ggml_cpu_has_*
+    functions of the libggml-cpu.so beside it ("unknown" when there is none, e.g. a static build)."""
+    import ctypes
+    lib = os.path.join(os.path.dirname(os.path.realpath(exe)), "libggml-cpu.so")
+    try:
+        cpu = ctypes.CDLL(lib)
+        has = {k: bool(getattr(cpu, f"ggml_cpu_has_{k}")()) for k in ("avx2", "avx_vnni", "avx512", "avx512_vnni")}
+    except (OSError, AttributeError):
+        return "unknown"
+    return isa_from_system_info(" | ".join(f"{k.upper()} = {int(v)}" for k, v in has.items()))
+
+
+def llama_bench_cmd(exe, path, plan, ctk, ctv, t, fas) -> list[str]:
+    """llama-bench's command line for one (ctk, ctv, threads) group of cells: every pp and tg test at every
+    depth, each flash-attention setting in fas."""
+    def csv(v):
+        return ",".join(str(x) for x in v)
+    return [str(exe), "-m", str(path), "-p", csv(plan.prompts), "-n", csv(plan.gens), "-d", csv(plan.depths),
+            "-t", str(t), "-r", str(plan.reps), "-ctk", ctk, "-ctv", ctv,
+            "-fa", csv("on" if fa else "off" for fa in fas), "-o", "json"]
+
+
+def parse_llama_bench(text: str, plan, isa: str) -> dict:
+    """llama-bench's `-o json` output -> {(p, n, d): cell} as _llama_cells returns, the better flash-attention
+    setting of each test.  A pp test is llama-bench's n_prompt=p, n_gen=0; a tg test n_prompt=0, n_gen=n."""
+    try:
+        tests = json.loads(text)
+        if not isinstance(tests, list):
+            raise TypeError(f"a JSON {type(tests).__name__}, not a list of tests")
+        got = {}
+        for e in tests:
+            fa = e.get("flash_attn")
+            fa_s = {1: "on", 0: "off", -1: "auto"}.get(fa, str(fa))      # 1 / 0 (true / false); -1: auto
+            key = (int(e["n_prompt"]), int(e["n_gen"]), int(e.get("n_depth", 0)))
+            got.setdefault(key, []).append((fa_s, [float(x) for x in e["samples_ts"]]))
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise PykvError(f"llama-bench printed no readable JSON ({type(e).__name__}: {e})") from None
+    best = {}
+    for p in plan.prompts:
+        for n in plan.gens:
+            for d in plan.depths:
+                cell = {"pp_tps": None, "tg_tps": None, "pp_fa": None, "tg_fa": None, "isa": isa}
+                for name, key in (("pp", (p, 0, d)), ("tg", (0, n, d))):
+                    if not key[0] and not key[1]:
+                        continue
+                    for fa_s, samples in got.get(key, []):
+                        med, sd = _stats(samples)
+                        if med is not None and (cell[f"{name}_tps"] is None or med > cell[f"{name}_tps"]):
+                            cell.update({f"{name}_tps": med, f"{name}_tps_sd": sd, f"{name}_samples": samples,
+                                         f"{name}_fa": fa_s})
+                if cell["pp_tps"] is not None or cell["tg_tps"] is not None:
+                    best[(p, n, d)] = cell
+    return best
+
+
+def _llama_bench_cells(exe, path, plan, ctk, ctv, t, fa_mode, log) -> tuple[dict, str | None]:
+    """_llama_cells through a llama-bench binary (one run for every cell of this ctk/ctv/threads group)."""
+    import subprocess
+    for ty in (ctk, ctv):
+        if ty not in LLAMA_TYPES:
+            return {}, f"llama.cpp has no {ty} KV cache type"
+    fas = {"on": [True], "off": [False]}.get(fa_mode, [True, False] if ctv in FLOAT_V else [True])
+    cmd = llama_bench_cmd(exe, path, plan, ctk, ctv, t, fas)
+    log("llama-bench: " + " ".join(cmd[1:]))
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True)
+    except OSError as e:
+        return {}, f"could not run {exe}: {e.strerror or e}"
+    if r.returncode:
+        tail = (r.stderr.strip().splitlines() or [""])[-1]
+        return {}, f"llama-bench exited with {r.returncode}: {tail}"
+    try:
+        return parse_llama_bench(r.stdout, plan, llama_bench_isa(exe)), None
+    except PykvError as e:
+        return {}, str(e)
+
+
 # ---- the benchmark ---------------------------------------------------------------------------------------
 def run_bench(model=None, *, n_prompt="512", n_gen="128", depth="0", ctk="f16", ctv=None, threads=None,
               reps: int = 3, kv_rotate=None, compare_llamacpp: bool = False, flash_attn: str = "auto",
-              progress=None, seed: int = 1234, device: str = "cpu") -> list[dict]:
+              progress=None, seed: int = 1234, device: str = "cpu", llama_bench: str | None = None) -> list[dict]:
     """Run the benchmark; returns one dict per cell (see the module docstring).
 
     List arguments take a comma string or a list. progress: None = print to stderr when it is a TTY.
+    llama_bench: a llama-bench binary to compare against (implies compare_llamacpp; no llama-cpp-python).
     """
     plan = _plan(n_prompt, n_gen, depth, ctk, ctv, threads, reps)
     rot = _rotate_flag(kv_rotate)
     if flash_attn not in ("on", "off", "auto"):
         raise PykvError(f"-fa: expected on, off or auto, got {flash_attn!r}")
-    if compare_llamacpp:
+    if llama_bench is not None:
+        llama_bench = os.path.expanduser(str(llama_bench))
+        if not (os.path.isfile(llama_bench) and os.access(llama_bench, os.X_OK)):
+            raise PykvError(f"--llama-bench: {llama_bench} is not an executable file")
+        compare_llamacpp = True
+    elif compare_llamacpp:
         try:
             import llama_cpp  # noqa: F401  (availability check)
         except ImportError:
@@ -347,8 +433,11 @@ def run_bench(model=None, *, n_prompt="512", n_gen="128", depth="0", ctk="f16", 
                 del eng
             llama, llama_err = {}, None
             if compare_llamacpp:
-                llama, llama_err = _llama_cells(path, plan, ctk_, ctv_, t, flash_attn,
-                                                np.random.default_rng(seed), log)
+                if llama_bench is not None:
+                    llama, llama_err = _llama_bench_cells(llama_bench, path, plan, ctk_, ctv_, t, flash_attn, log)
+                else:
+                    llama, llama_err = _llama_cells(path, plan, ctk_, ctv_, t, flash_attn,
+                                                    np.random.default_rng(seed), log)
                 if llama_err:
                     log(f"llama.cpp {ctk_}/{ctv_}: {llama_err}")
             for p in plan.prompts:
@@ -450,7 +539,7 @@ def cmd_bench(args) -> int:
     rows = run_bench(args.model, n_prompt=args.n_prompt, n_gen=args.n_gen, depth=args.n_depth,
                      ctk=args.cache_type_k, ctv=args.cache_type_v, threads=args.threads,
                      reps=args.repetitions, kv_rotate=args.kv_rotate, compare_llamacpp=args.compare_llamacpp,
-                     flash_attn=args.flash_attn, device=args.device)
+                     flash_attn=args.flash_attn, device=args.device, llama_bench=args.llama_bench)
     if args.json:
         print(json.dumps(rows, indent=2, default=_json_default))
     else:
@@ -498,6 +587,10 @@ def register_cli(subparsers) -> None:
                         "for f16/bf16/f32 V)")
     p.add_argument("--compare-llamacpp", action="store_true",
                    help="also run the cells through llama-cpp-python and print pykv ÷ llama.cpp")
+    p.add_argument("--llama-bench", metavar="PATH", default=None,
+                   help="compare against this llama-bench binary (llama.cpp's own benchmark, e.g. built by "
+                        "tools/build_llama_bench.py CLASS for pykv's ISA class) instead of llama-cpp-python; "
+                        "implies --compare-llamacpp")
     p.add_argument("--json", action="store_true", help="print a JSON list of cells instead of a markdown table")
     from .cli import device_arg
     device_arg(p)

@@ -3,6 +3,7 @@ import argparse
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -149,3 +150,92 @@ def test_pykv_cli_bench_subcommand(tiny):
     assert r.returncode == 0, r.stderr
     (row,) = json.loads(r.stdout)
     assert row["ctk"] == row["ctv"] == "q8_0" and row["pp_tps"] > 0 and row["tg_tps"] > 0
+
+
+# ---- --llama-bench: llama.cpp's own benchmark binary as the peer ------------------------------------------------
+# tests/data/llama_bench_smollm2.json: what llama-bench (llama.cpp of the llama-cpp-python 0.3.36 sdist, built by
+# tools/build_llama_bench.py avx2) printed for `-m SmolLM2-135M-Instruct.Q4_1.gguf -p 16 -n 4 -d 0,8 -t 1 -r 2
+# -ctk f16 -ctv f16 -fa on,off -o json`.
+LLAMA_BENCH_JSON = Path(__file__).parent / "data" / "llama_bench_smollm2.json"
+
+
+def test_parse_llama_bench_real_output():
+    """Each cell takes llama-bench's pp test (n_prompt=p, n_gen=0) and tg test (n_prompt=0, n_gen=n) at its depth,
+    the better flash-attention setting of each, as the median of its samples."""
+    import statistics
+    from pykv.bench import _plan, parse_llama_bench
+    tests = json.loads(LLAMA_BENCH_JSON.read_text())
+    assert {(e["n_prompt"], e["n_gen"], e["n_depth"]) for e in tests} == {(16, 0, 0), (0, 4, 0), (16, 0, 8), (0, 4, 8)}
+    plan = _plan("16", "4", "0,8", "f16", None, "1", 2)
+    cells = parse_llama_bench(LLAMA_BENCH_JSON.read_text(), plan, "avx2")
+    assert sorted(cells) == [(16, 4, 0), (16, 4, 8)]
+    for (p, n, d), c in cells.items():
+        for name, key in (("pp", (p, 0, d)), ("tg", (0, n, d))):
+            runs = [e for e in tests if (e["n_prompt"], e["n_gen"], e["n_depth"]) == key]
+            assert len(runs) == 2                                         # fa on and off
+            best = max(runs, key=lambda e: statistics.median(e["samples_ts"]))
+            assert c[f"{name}_tps"] == pytest.approx(statistics.median(best["samples_ts"]))
+            assert c[f"{name}_samples"] == best["samples_ts"]
+            assert c[f"{name}_fa"] == ("on" if best["flash_attn"] else "off")
+        assert c["isa"] == "avx2"
+
+
+@pytest.mark.parametrize("text", ["", "not json", '[{"n_prompt": 1}]', "{}"])
+def test_parse_llama_bench_garbage_is_a_clean_error(text):
+    from pykv.bench import _plan, parse_llama_bench
+    from pykv.config import PykvError
+    with pytest.raises(PykvError, match="llama-bench"):
+        parse_llama_bench(text, _plan("16", "4", "0", "f16", None, "1", 1), "avx2")
+
+
+def _fake_llama_bench(folder, body):
+    exe = folder / "llama-bench"
+    exe.write_text(f"#!{sys.executable}\n{body}\n")
+    exe.chmod(0o755)
+    return exe
+
+
+def test_llama_bench_option_runs_the_binary(tiny, tmp_path):
+    """--llama-bench PATH: one llama-bench run per K/V pair and thread count, with llama-bench's own flags; its
+    figures land in the cells; a failing binary is a note, not a failure; a missing one a one-line error."""
+    log = tmp_path / "argv.jsonl"
+    exe = _fake_llama_bench(tmp_path, f"import json, sys\nopen({str(log)!r}, 'a').write(json.dumps(sys.argv[1:]) + '\\n')\n"
+                                      f"sys.stdout.write(open({str(LLAMA_BENCH_JSON)!r}).read())")
+    r = bench(tiny, "-p", "16", "-n", "4", "-d", "0,8", "-ctk", "f16,q8_0", "-t", "1", "-r", "1", "--json",
+              "--llama-bench", str(exe))
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(r.stdout)
+    argvs = [json.loads(l) for l in log.read_text().splitlines()]
+    assert len(argvs) == 2
+    for argv, ctk, fa in zip(argvs, ("f16", "q8_0"), ("on,off", "on")):
+        opts = dict(zip(argv[::2], argv[1::2]))
+        assert opts == {"-m": tiny, "-p": "16", "-n": "4", "-d": "0,8", "-t": "1", "-r": "1", "-ctk": ctk, "-ctv": ctk,
+                        "-fa": fa, "-o": "json"}
+    from pykv.bench import _plan, parse_llama_bench
+    want = parse_llama_bench(LLAMA_BENCH_JSON.read_text(), _plan("16", "4", "0,8", "f16", None, "1", 1), "unknown")
+    for row in rows:
+        lc = row["llamacpp"]
+        assert lc["tg_tps"] == pytest.approx(want[(16, 4, row["depth"])]["tg_tps"])
+        assert lc["isa"] == "unknown"                 # no libggml-cpu.so beside the fake binary
+        assert row["tg_ratio"] == pytest.approx(row["tg_tps"] / lc["tg_tps"])
+    (tmp_path / "bad").mkdir()
+    bad = _fake_llama_bench(tmp_path / "bad", "import sys\nsys.stderr.write('error: failed to load model\\n')\nsys.exit(1)")
+    r = bench(tiny, "-p", "4", "-n", "1", "-t", "1", "-r", "1", "--llama-bench", str(bad))
+    assert r.returncode == 0, r.stderr
+    assert "llama-bench exited with 1: error: failed to load model" in r.stdout
+    assert_clean_error(bench(tiny, "-p", "4", "-n", "1", "-r", "1", "--llama-bench", str(tmp_path / "none")),
+                       "not an executable file")
+
+
+def test_llama_bench_isa_of_a_real_build():
+    """The class read from a real build's libggml-cpu.so (skipped where tools/build_llama_bench.py has not run)."""
+    import os
+    from pykv.bench import llama_bench_isa
+    found = False
+    for isa in ("avx2", "avxvnni", "avx512vnni"):
+        exe = os.path.expanduser(f"~/.cache/pykv/llama-bench/{isa}/bin/llama-bench")
+        if os.path.exists(exe):
+            found = True
+            assert llama_bench_isa(exe) == isa
+    if not found:
+        pytest.skip("no llama-bench built by tools/build_llama_bench.py on this host")
