@@ -278,6 +278,14 @@ def _measure(eng, plan: _Plan, rng, log, label: str) -> dict:
     return out
 
 
+def _keep_better(cell: dict, name: str, samples: list, fa_s: str) -> None:
+    """cell's `name` ("pp" / "tg") figures become these samples' (run with flash attention fa_s) when their
+    median is the better one so far."""
+    med, sd = _stats(samples)
+    if med is not None and (cell[f"{name}_tps"] is None or med > cell[f"{name}_tps"]):
+        cell.update({f"{name}_tps": med, f"{name}_tps_sd": sd, f"{name}_samples": samples, f"{name}_fa": fa_s})
+
+
 def _llama_cells(path, plan, ctk, ctv, t, fa_mode, rng, log) -> tuple[dict, str | None]:
     """{(p, n, d): {pp_tps, tg_tps, pp_fa, tg_fa, ...}} for llama.cpp, best of the fa settings tried."""
     if fa_mode == "on":
@@ -303,10 +311,7 @@ def _llama_cells(path, plan, ctk, ctv, t, fa_mode, rng, log) -> tuple[dict, str 
         for key, (pp, tg) in res.items():
             cell = best.setdefault(key, {"pp_tps": None, "tg_tps": None, "pp_fa": None, "tg_fa": None, "isa": isa})
             for name, samples in (("pp", pp), ("tg", tg)):
-                med, sd = _stats(samples)
-                if med is not None and (cell[f"{name}_tps"] is None or med > cell[f"{name}_tps"]):
-                    cell.update({f"{name}_tps": med, f"{name}_tps_sd": sd, f"{name}_samples": samples,
-                                 f"{name}_fa": fa_s})
+                _keep_better(cell, name, samples, fa_s)
     return best, ("; ".join(errors) if errors and not best else None)
 
 
@@ -357,10 +362,7 @@ def parse_llama_bench(text: str, plan, isa: str) -> dict:
                     if not key[0] and not key[1]:
                         continue
                     for fa_s, samples in got.get(key, []):
-                        med, sd = _stats(samples)
-                        if med is not None and (cell[f"{name}_tps"] is None or med > cell[f"{name}_tps"]):
-                            cell.update({f"{name}_tps": med, f"{name}_tps_sd": sd, f"{name}_samples": samples,
-                                         f"{name}_fa": fa_s})
+                        _keep_better(cell, name, samples, fa_s)
                 if cell["pp_tps"] is not None or cell["tg_tps"] is not None:
                     best[(p, n, d)] = cell
     return best
