@@ -1,11 +1,13 @@
 """Where one decode token's time goes: wall time per kernel call of the forward pass.
 
-    python tools/profile_decode.py [MODEL] [--threads 1,2] [--depth 16] [--tokens 32]
+    python tools/profile_decode.py [MODEL] [--threads 1,2] [--depth 16] [--tokens 32] [--prefill N]
 
 Wraps the backend's kernel entry points (matmul, ops, the KV cache's append / attend) with timers,
 decodes --tokens tokens after a --depth-token prefill, and prints per entry point: calls per token,
 microseconds per call, and per token, plus the untimed remainder (Python glue) and tokens/s without
 the wrappers.  Timings include each call's Python dispatch and (for parallel kernels) region launch.
+--prefill N: the same split for one N-token prefill after the --depth tokens (in the model's n_batch chunks)
+instead of single-token decodes; per entry point: calls and milliseconds over the whole prefill.
 """
 import argparse
 import collections
@@ -50,6 +52,17 @@ def _label_matmul(acc, mm):
     return f0, f1
 
 
+def prefill(model, seq, n, depth):
+    """Seconds for one n-token prefill after depth tokens, in chunks of the model's batch size."""
+    seq.n_tokens = depth
+    ids = (np.arange(n, dtype=np.int64) * 7 + 3) % model.n_vocab
+    nb = model.n_batch
+    t0 = time.perf_counter()
+    for c in range(0, n, nb):
+        model._batch(seq, ids[c:c + nb], False)
+    return time.perf_counter() - t0
+
+
 def decode(model, seq, n, depth):
     seq.n_tokens = depth
     ids = np.array([1], np.int64)
@@ -65,14 +78,23 @@ def main():
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--depth", type=int, default=16)
     ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--prefill", type=int, default=0, help="profile one prefill of this many tokens instead")
     a = ap.parse_args()
-    model = pykv.load(a.model, n_ctx=a.depth + a.tokens + 8)
+    if a.prefill < 0 or a.tokens < 1 or a.depth < 0:
+        ap.error("--prefill and --depth must be >= 0, --tokens >= 1")
+    model = pykv.load(a.model, n_ctx=a.depth + max(a.tokens, a.prefill) + 8)
+    if a.prefill:
+        a.tokens = 1              # one timed run: the figures below are per prefill, not per token
+        step = lambda: prefill(model, seq, a.prefill, a.depth)     # noqa: E731
+    else:
+        step = lambda: decode(model, seq, a.tokens, a.depth) * a.tokens     # noqa: E731
     seq = model.new_sequence()
     model.eval(seq, np.arange(a.depth, dtype=np.int64) % model.n_vocab)
     for th in [int(s) for s in a.threads.split(",")]:
         numba.set_num_threads(th)
         decode(model, seq, 4, a.depth)                       # warm
-        plain = min(decode(model, seq, a.tokens, a.depth) for _ in range(3))
+        step()
+        plain = min(step() for _ in range(3)) / a.tokens
         acc = collections.defaultdict(list)
         be = model.be
         saved = []
@@ -81,7 +103,7 @@ def main():
                                      "add_inplace", "rmsnorm")), (be.matmul, ("get_rows",)),
                            (model.cache, ("append", "attend"))):
             saved.append((mod, names, [_wrap(mod, nm, nm, acc) for nm in names]))
-        per = decode(model, seq, a.tokens, a.depth)
+        per = step() / a.tokens
         for mod, names, fs in saved:
             for nm, f in zip(names, fs):
                 if mod is model.cache:
@@ -90,8 +112,13 @@ def main():
                     setattr(mod, nm, f)
         tot = sum(sum(v) for v in acc.values()) / a.tokens
         print(f"\n== {os.path.basename(model.path)}  threads {th}  depth {a.depth}  load {os.getloadavg()[0]:.2f}")
-        print(f"plain: {plain * 1e3:.3f} ms/token = {1 / plain:.1f} t/s;  wrapped: {per * 1e3:.3f} ms/token")
-        print(f"{'entry point':48s} {'calls/tok':>9s} {'us/call':>9s} {'us/tok':>9s}")
+        if a.prefill:
+            print(f"plain: {plain * 1e3:.1f} ms for a {a.prefill}-token prefill = {a.prefill / plain:.1f} t/s;  "
+                  f"wrapped: {per * 1e3:.1f} ms")
+        else:
+            print(f"plain: {plain * 1e3:.3f} ms/token = {1 / plain:.1f} t/s;  wrapped: {per * 1e3:.3f} ms/token")
+        unit = "pp" if a.prefill else "tok"
+        print(f"{'entry point':48s} {'calls/' + unit:>9s} {'us/call':>9s} {'us/' + unit:>9s}")
         rows = sorted(acc.items(), key=lambda kv: -sum(kv[1]))
         for k, v in rows:
             v = np.array(v)
