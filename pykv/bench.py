@@ -286,14 +286,15 @@ def _keep_better(cell: dict, name: str, samples: list, fa_s: str) -> None:
         cell.update({f"{name}_tps": med, f"{name}_tps_sd": sd, f"{name}_samples": samples, f"{name}_fa": fa_s})
 
 
+def _fa_settings(fa_mode: str, ctv: str) -> list[bool]:
+    """llama.cpp's flash-attention settings to try: -fa on / off, or auto (both for a float V cache,
+    on for a quantized one, which needs it)."""
+    return {"on": [True], "off": [False]}.get(fa_mode, [True, False] if ctv in FLOAT_V else [True])
+
+
 def _llama_cells(path, plan, ctk, ctv, t, fa_mode, rng, log) -> tuple[dict, str | None]:
     """{(p, n, d): {pp_tps, tg_tps, pp_fa, tg_fa, ...}} for llama.cpp, best of the fa settings tried."""
-    if fa_mode == "on":
-        fas = [True]
-    elif fa_mode == "off":
-        fas = [False]
-    else:
-        fas = [True, False] if ctv in FLOAT_V else [True]
+    fas = _fa_settings(fa_mode, ctv)
     best: dict = {}
     errors = []
     for fa in fas:
@@ -374,7 +375,7 @@ def _llama_bench_cells(exe, path, plan, ctk, ctv, t, fa_mode, log) -> tuple[dict
     for ty in (ctk, ctv):
         if ty not in LLAMA_TYPES:
             return {}, f"llama.cpp has no {ty} KV cache type"
-    fas = {"on": [True], "off": [False]}.get(fa_mode, [True, False] if ctv in FLOAT_V else [True])
+    fas = _fa_settings(fa_mode, ctv)
     cmd = llama_bench_cmd(exe, path, plan, ctk, ctv, t, fas)
     log("llama-bench: " + " ".join(cmd[1:]))
     try:

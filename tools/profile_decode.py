@@ -83,18 +83,20 @@ def main():
     if a.prefill < 0 or a.tokens < 1 or a.depth < 0:
         ap.error("--prefill and --depth must be >= 0, --tokens >= 1")
     model = pykv.load(a.model, n_ctx=a.depth + max(a.tokens, a.prefill) + 8)
+    seq = model.new_sequence()
+    # seconds per unit (a decoded token, or the whole prefill) and the timed runs' units
     if a.prefill:
-        a.tokens = 1              # one timed run: the figures below are per prefill, not per token
+        units = 1
         step = lambda: prefill(model, seq, a.prefill, a.depth)     # noqa: E731
     else:
-        step = lambda: decode(model, seq, a.tokens, a.depth) * a.tokens     # noqa: E731
-    seq = model.new_sequence()
+        units = a.tokens
+        step = lambda: decode(model, seq, a.tokens, a.depth)       # noqa: E731
     model.eval(seq, np.arange(a.depth, dtype=np.int64) % model.n_vocab)
     for th in [int(s) for s in a.threads.split(",")]:
         numba.set_num_threads(th)
         decode(model, seq, 4, a.depth)                       # warm
         step()
-        plain = min(step() for _ in range(3)) / a.tokens
+        plain = min(step() for _ in range(3))
         acc = collections.defaultdict(list)
         be = model.be
         saved = []
@@ -103,14 +105,14 @@ def main():
                                      "add_inplace", "rmsnorm")), (be.matmul, ("get_rows",)),
                            (model.cache, ("append", "attend"))):
             saved.append((mod, names, [_wrap(mod, nm, nm, acc) for nm in names]))
-        per = step() / a.tokens
+        per = step()
         for mod, names, fs in saved:
             for nm, f in zip(names, fs):
                 if mod is model.cache:
                     delattr(mod, nm)
                 else:
                     setattr(mod, nm, f)
-        tot = sum(sum(v) for v in acc.values()) / a.tokens
+        tot = sum(sum(v) for v in acc.values()) / units
         print(f"\n== {os.path.basename(model.path)}  threads {th}  depth {a.depth}  load {os.getloadavg()[0]:.2f}")
         if a.prefill:
             print(f"plain: {plain * 1e3:.1f} ms for a {a.prefill}-token prefill = {a.prefill / plain:.1f} t/s;  "
@@ -122,8 +124,8 @@ def main():
         rows = sorted(acc.items(), key=lambda kv: -sum(kv[1]))
         for k, v in rows:
             v = np.array(v)
-            n = len(v) / a.tokens
-            print(f"{k:48s} {n:9.1f} {np.median(v) * 1e6:9.1f} {v.sum() / a.tokens * 1e6:9.1f}")
+            n = len(v) / units
+            print(f"{k:48s} {n:9.1f} {np.median(v) * 1e6:9.1f} {v.sum() / units * 1e6:9.1f}")
         print(f"{'(timed total)':48s} {'':9s} {'':9s} {tot * 1e6:9.1f}")
         print(f"{'(glue: wrapped - timed)':48s} {'':9s} {'':9s} {(per - tot) * 1e6:9.1f}")
 
