@@ -42,8 +42,19 @@ def rope_pairs(x, pos, base, n_rot=None, scale=1.0):
     return x
 
 
-def attention(q, k, v, n_past=0):
-    """Causal GQA attention. q (T, H, HD); k, v (n_past + T, KVH, HD). Query t sees keys 0..n_past+t."""
+def q16_query(q):
+    """The query as pykv's integer-dot scores over q8_0 keys see it (attention._quant_q16): per block of
+    32 values xq = rint(q / d) int16 with d = amax / 32767 in float32, back to xq * d."""
+    x = np.asarray(q, np.float32).reshape(-1, 32)
+    d = np.abs(x).max(axis=1, keepdims=True) / np.float32(32767.0)
+    idd = np.where(d > 0, np.float32(1.0) / np.where(d > 0, d, 1), 0).astype(np.float32)
+    return (np.rint(x * idd).astype(np.float64) * d).reshape(np.shape(q))
+
+
+def attention(q, k, v, n_past=0, q_from=None, n_from=0):
+    """Causal GQA attention. q (T, H, HD); k, v (n_past + T, KVH, HD). Query t sees keys 0..n_past+t.
+    q_from (as q): the query the keys j >= n_from are scored with instead (pool keys read by
+    integer dots see the query's int16 form, f16 sink rows the float query)."""
     Tq, H, HD = q.shape
     n, KVH = k.shape[0], k.shape[1]
     g = H // KVH
@@ -51,6 +62,8 @@ def attention(q, k, v, n_past=0):
     mask = np.arange(n)[None, :] > (n_past + np.arange(Tq))[:, None]
     for h in range(H):
         s = q[:, h] @ k[:, h // g].T / np.sqrt(HD)
+        if q_from is not None:
+            s[:, n_from:] = q_from[:, h] @ k[n_from:, h // g].T / np.sqrt(HD)
         s[mask] = -np.inf
         p = np.exp(s - s.max(axis=-1, keepdims=True))
         p /= p.sum(axis=-1, keepdims=True)

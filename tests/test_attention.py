@@ -23,7 +23,11 @@ from pykv.kernels.blocks import deq_kivi_k_rows
 from pykv.kernels.kvquant import dequantize_row
 from pykv.kv_cache import KVCache
 
+from pykv.formats import CODE_Q8_0
+from pykv.kernels.kvdot import ok_hd
+
 from .reference import attention as ref_attention
+from .reference import q16_query
 
 FORMATS = list(KV_FORMATS)
 
@@ -107,11 +111,26 @@ def run_attend(cache, seq, q, chunk, li=0):
     return out
 
 
+def int_keys(cache, li=0):
+    """Whether attention scores layer li's pool keys by kvdot's integer dots (q8_0 keys, whole units,
+    no pre-RoPE transform): their scores see the query's int16 form (reference.q16_query)."""
+    l = cache.layers[li]
+    return l.k_fmt.code == CODE_Q8_0 and not l.k_bits and not cache.k_pre[li] and ok_hd(cache.cfg.head_dim)
+
+
 def check(cache, seq, T, chunks, rng, what=""):
     H, HD = cache.cfg.n_heads, cache.cfg.head_dim
     k, v = dequant_cache(cache, seq)
     q = (rng.standard_normal((T, H, HD)) * 2.0 / math.sqrt(HD)).astype(np.float32)  # pre-scaled
-    ref = ref_attention(q.astype(np.float64) * math.sqrt(HD), k, v, n_past=seq.n_tokens - T)
+    qf = q.astype(np.float64) * math.sqrt(HD)
+    ref = ref_attention(qf, k, v, n_past=seq.n_tokens - T)
+    if int_keys(cache):       # pool keys: the int16 query; the f16 sink rows: the float one (no window here)
+        assert not cache.W
+        plain = ref
+        ref = ref_attention(qf, k, v, seq.n_tokens - T, q16_query(q) * math.sqrt(HD),
+                            cache.n_sink(cache.layers[0].k_fmt, seq.n_tokens))
+        # what the int16 query costs: a bound far below the 8-bit keys' own rounding
+        assert (np.abs(ref - plain) / np.abs(plain).max(axis=2, keepdims=True)).max() < 1e-3
     scale = np.abs(ref).max(axis=2, keepdims=True)
     for chunk in chunks:
         for th in THREADS:

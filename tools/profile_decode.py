@@ -1,6 +1,7 @@
 """Where one decode token's time goes: wall time per kernel call of the forward pass.
 
     python tools/profile_decode.py [MODEL] [--threads 1,2] [--depth 16] [--tokens 32] [--prefill N]
+                                   [-ctk f16] [-ctv f16]
 
 Wraps the backend's kernel entry points (matmul, ops, the KV cache's append / attend) with timers,
 decodes --tokens tokens after a --depth-token prefill, and prints per entry point: calls per token,
@@ -8,6 +9,7 @@ microseconds per call, and per token, plus the untimed remainder (Python glue) a
 the wrappers.  Timings include each call's Python dispatch and (for parallel kernels) region launch.
 --prefill N: the same split for one N-token prefill after the --depth tokens (in the model's n_batch chunks)
 instead of single-token decodes; per entry point: calls and milliseconds over the whole prefill.
+-ctk / -ctv: the KV cache's key / value types (the model default rotation: on for quantized types).
 """
 import argparse
 import collections
@@ -79,10 +81,12 @@ def main():
     ap.add_argument("--depth", type=int, default=16)
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--prefill", type=int, default=0, help="profile one prefill of this many tokens instead")
+    ap.add_argument("-ctk", default="f16", help="KV cache key type")
+    ap.add_argument("-ctv", default="f16", help="KV cache value type")
     a = ap.parse_args()
     if a.prefill < 0 or a.tokens < 1 or a.depth < 0:
         ap.error("--prefill and --depth must be >= 0, --tokens >= 1")
-    model = pykv.load(a.model, n_ctx=a.depth + max(a.tokens, a.prefill) + 8)
+    model = pykv.load(a.model, n_ctx=a.depth + max(a.tokens, a.prefill) + 8, kv_type_k=a.ctk, kv_type_v=a.ctv)
     seq = model.new_sequence()
     # seconds per unit (a decoded token, or the whole prefill) and the timed runs' units
     if a.prefill:
@@ -113,7 +117,8 @@ def main():
                 else:
                     setattr(mod, nm, f)
         tot = sum(sum(v) for v in acc.values()) / units
-        print(f"\n== {os.path.basename(model.path)}  threads {th}  depth {a.depth}  load {os.getloadavg()[0]:.2f}")
+        print(f"\n== {os.path.basename(model.path)}  threads {th}  depth {a.depth}  K/V {a.ctk}/{a.ctv}  "
+              f"load {os.getloadavg()[0]:.2f}")
         if a.prefill:
             print(f"plain: {plain * 1e3:.1f} ms for a {a.prefill}-token prefill = {a.prefill / plain:.1f} t/s;  "
                   f"wrapped: {per * 1e3:.1f} ms")

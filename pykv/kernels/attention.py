@@ -13,6 +13,11 @@ side of the quantized / f16-residual boundary).  Per segment:
   3. online softmax per query row, rescaling (m, l, acc) once per segment, p = exp(s - m) by a
      vectorizable exp;
   4. the V rows are decoded once into a tile and acc[row] += sum_r p[row, r] * V[r].
+q8_0 pool rows skip the tiles (kernels.kvdot reads them in place): 1 + 2 become exact int32 dots of
+the int8 keys with the query rows' int16 form (_quant_q16, once per work item), and 4 adds each V
+row's int8 values, made float once, to the G rows with weight p * d (the block scale folded in).
+At depth 4096 (SmolLM2, 2 threads, Zen 5) that took a q8_0 decode step's attention from 0.26 to
+0.19 ms a layer.
 
 Partials (m, l, acc) go to `part`; a second pass merges the chunks with log-sum-exp weights.
 Each work item allocates its few small tiles (np.empty, ~10 KB) rather than taking slices of one
@@ -33,14 +38,15 @@ RoPE, Hadamard-rotated; each decoded K tile is mapped back (inverse rotation, * 
 at its positions before the scores, so the queries are plain roped queries (KVQuant's pre-RoPE keys:
 the per-channel statistics of unroped keys are stable, those of roped keys are smeared by position).
 
-Numba's on-disk cache keys this module on ITS source text only: deq_rows is inlined from blocks.py, so a
-new format there needs a change here (or a cleared __pycache__) before cached builds pick it up.
+deq_rows (blocks.py) and the kvdot intrinsics are inlined here: Numba's cache folder is named by a hash of
+every kernel source (kernels/__init__.py), so an edit there recompiles this module too.
 """
 import numpy as np
 from numba import njit, prange
 
 from ..formats import CODE_Q8_0
 from .blocks import deq_kivi_k_rows, deq_rows
+from .kvdot import UNIT, accum_q8_0_1, accum_q8_0_3, scores_q8_0_1, scores_q8_0_3
 from .ops import _fwht_vec, _rope_vec, exp_neg
 from .simd import bits_f32, prefetch
 
@@ -179,6 +185,25 @@ def _accum(px, vt, n, ax):
 # ----------------------------------------------------------------------------------------------
 
 @njit(cache=True, nogil=True, fastmath=_FM)
+def _quant_q16(qb, xq, xd):
+    """The query rows qb (R, HD) as int16 blocks of 32 for kvdot's scores: xq = rint(qb / xd) with
+    xd = amax / 32767 per block (xq with no columns: nothing to do).  16 bits, not llama.cpp's 8-bit
+    q8_0 query: the int dot against the int8 keys is still exact, and the query's rounding (2**-16 of
+    its block's amax) moved test_attention's sharp-attention outputs by 1e-4 of their scale, where an
+    8-bit query moved them by 3e-2."""
+    for x in range(xq.shape[0]):
+        for b in range(xq.shape[1] // 32):
+            amax = np.float32(0.0)
+            for i in range(32 * b, 32 * b + 32):
+                amax = max(amax, abs(qb[x, i]))
+            d = amax / np.float32(32767.0)
+            idd = np.float32(1.0) / d if d > 0 else np.float32(0.0)
+            xd[x, b] = d
+            for i in range(32 * b, 32 * b + 32):
+                xq[x, i] = np.int16(np.rint(qb[x, i] * idd))
+
+
+@njit(cache=True, nogil=True, fastmath=_FM)
 def _unpre(kt, n, j, g, KVH, kx, cos, sin):
     """Pre-RoPE keys kt[:n] (KV head g, positions j..) back to roped keys in place: inverse rotation,
     * scale + shift, RoPE at each row's position (see attend's kx)."""
@@ -225,6 +250,12 @@ def _item(q, kpool, vpool, kres, vres, ksink, vsink, page_table, n_past, ns_k, n
             lim[x] = n_past + t0 + tb + 1
             for i in range(HD):
                 qb[x, i] = q[t0 + tb, g * G + gi, i]
+    # q8_0 pool rows are read in place by kvdot (see the module doc); pre-RoPE keys need a K tile
+    kq8 = kcode == CODE_Q8_0 and kbits == 0 and kx.shape[0] == 0 and HD % UNIT == 0
+    vq8 = vcode == CODE_Q8_0
+    xq = np.empty((R, HD if kq8 else 0), np.int16)
+    xd = np.empty((R, HD // 32 if kq8 else 0), np.float32)
+    _quant_q16(qb, xq, xd)
     rbk = kpool.shape[2] // P
     rbv = vpool.shape[2] // P
     rbr = ksink.shape[2]                         # f16 sink rows (2 * HD bytes)
@@ -269,6 +300,11 @@ def _item(q, kpool, vpool, kres, vres, ksink, vsink, page_table, n_past, ns_k, n
         n = e - j
         kmix = False
         vmix = False
+        kint = False
+        vint = False
+        xlo = 0                                      # rows below xlo see none of the segment
+        while xlo < R - 1 and lim[xlo] <= j:
+            xlo += 1
         page = page_table[pg] if (j < nq_k or j < nq_v) else 0
         f = e + TILE * (PF_AHEAD - 1)
         if f < j1 and (f < nq_k or f < nq_v):     # a later segment's pool rows, fetched meanwhile
@@ -290,6 +326,15 @@ def _item(q, kpool, vpool, kres, vres, ksink, vsink, page_table, n_past, ns_k, n
             deq_rows(rck, kres[g].reshape(RING * rbk_r), (j % RING) * rbk_r, rbk_r, n, kt)
         elif kbits > 0:
             deq_kivi_k_rows(kbits, kpool[g, page], sp, n, kt, dk, mk)
+        elif kq8 and not (wk > 0 and j >= wlo_k):
+            kint = True
+            x = xlo
+            while x + 3 <= R:
+                scores_q8_0_3(kpool[g, page], sp * rbk, rbk, n, xq, xd, s, x)
+                x += 3
+            while x < R:
+                scores_q8_0_1(kpool[g, page], sp * rbk, rbk, n, xq, xd, s, x)
+                x += 1
         else:
             deq_rows(kcode, kpool[g, page], sp * rbk, rbk, n, kt)
             if wk > 0 and j >= wlo_k:
@@ -301,7 +346,7 @@ def _item(q, kpool, vpool, kres, vres, ksink, vsink, page_table, n_past, ns_k, n
                 _unpre(kt2, n, j, g, KVH, kx, cos, sin)
         # ---- scores (three query rows per pass over the K tile where all three see the whole
         # tile: every decode row), then online softmax per query row
-        x3 = R if kmix else 0
+        x3 = R if kmix or kint else 0
         while x3 + 3 <= R and min(lim[x3], lim[x3 + 1], lim[x3 + 2]) - j >= n:
             _scores3(qb[x3], qb[x3 + 1], qb[x3 + 2], kt, n, s[x3], s[x3 + 1], s[x3 + 2])
             x3 += 3
@@ -315,7 +360,7 @@ def _item(q, kpool, vpool, kres, vres, ksink, vsink, page_table, n_past, ns_k, n
                     _scores(qb[x], kt, m1, s[x])
                 if nv > m1:
                     _scores(qb[x], kt2[m1:], nv - m1, s[x, m1:])
-            elif x >= x3:
+            elif x >= x3 and not kint:
                 _scores(qb[x], kt, nv, s[x])
             mx = mrow[x]
             for r in range(nv):
@@ -339,12 +384,21 @@ def _item(q, kpool, vpool, kres, vres, ksink, vsink, page_table, n_past, ns_k, n
             deq_rows(rcode, vsink[g].reshape(NS * rbr), j * rbr, rbr, n, vt)
         elif j >= nq_v or (wv > 0 and j >= whi_v):
             deq_rows(rcv, vres[g].reshape(RINGV * rbv_r), (j % RINGV) * rbv_r, rbv_r, n, vt)
+        elif vq8 and not (wv > 0 and j >= wlo_v):
+            vint = True
+            x = xlo
+            while x + 3 <= R:
+                accum_q8_0_3(vpool[g, page], sp * rbv, rbv, n, s, x, acc)
+                x += 3
+            while x < R:
+                accum_q8_0_1(vpool[g, page], sp * rbv, rbv, n, s, x, acc)
+                x += 1
         else:
             deq_rows(vcode, vpool[g, page], sp * rbv, rbv, n, vt)
             if wv > 0 and j >= wlo_v:
                 vmix = True
                 deq_rows(rcv, vres[g].reshape(RINGV * rbv_r), (j % RINGV) * rbv_r, rbv_r, n, vt2)
-        for x in range(R):
+        for x in range(0 if vint else R):
             if lim[x] <= j:
                 continue
             if vmix:
