@@ -7,19 +7,12 @@ The emulation is exact arithmetic on what the kernels see: the keys' int8 codes 
 the query's int16 form (attention._quant_q16, reference.q16_query).  Rows outside the segment hold
 bytes that decode to NaN, so a kernel that read one would fail.
 """
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 
 from pykv.kernels import tiles
 
-from .test_tiles_isa import CLASSES, _host_runs
-
-ROOT = Path(__file__).resolve().parent.parent
+from .test_tiles_isa import CLASSES, run_in_class
 
 
 def run_checks():
@@ -109,11 +102,4 @@ def test_kvdot_this_host():
 
 @pytest.mark.parametrize("cpu", sorted(CLASSES, key=lambda c: tiles.ISA_CLASSES.index(CLASSES[c])))
 def test_kvdot_isa_class(cpu):
-    cls = CLASSES[cpu]
-    if cls == tiles.ISA and os.environ.get("NUMBA_CPU_NAME") is None:
-        pytest.skip(f"{cls} is this host's class: test_kvdot_this_host runs it")
-    run = _host_runs(cpu)
-    env = dict(os.environ, NUMBA_CPU_NAME=cpu, NUMBA_CPU_FEATURES="", PYTHONPATH=str(ROOT))
-    r = subprocess.run([sys.executable, "-c", _SCRIPT, cls, "1" if run else "0", str(ROOT / "tests")],
-                       capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)
-    assert r.returncode == 0 and "ok" in r.stdout, (r.stdout[-2000:], r.stderr[-4000:])
+    run_in_class(cpu, _SCRIPT, "test_kvdot_this_host")

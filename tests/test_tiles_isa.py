@@ -122,16 +122,22 @@ def _host_runs(cpu):
     return all(f.get(k) for k in _NEEDS[CLASSES[cpu]] + _NEEDS_CPU.get(cpu, ()))
 
 
-@pytest.mark.parametrize("cpu", sorted(CLASSES, key=lambda c: tiles.ISA_CLASSES.index(CLASSES[c])))
-def test_isa_class_tiles(cpu):
+def run_in_class(cpu, script, host_test):
+    """Run `script` (argv: class, "1" to run / "0" to compile only, the tests folder) under
+    NUMBA_CPU_NAME=cpu in a subprocess; skipped where cpu's class is this host's (host_test covers it)."""
     cls = CLASSES[cpu]
     if cls == tiles.ISA and os.environ.get("NUMBA_CPU_NAME") is None:
-        pytest.skip(f"{cls} is this host's class: test_matmul runs it")
+        pytest.skip(f"{cls} is this host's class: {host_test} runs it")
     run = _host_runs(cpu)
     env = dict(os.environ, NUMBA_CPU_NAME=cpu, NUMBA_CPU_FEATURES="", PYTHONPATH=str(ROOT))
-    r = subprocess.run([sys.executable, "-c", _SCRIPT, cls, "1" if run else "0", str(ROOT / "tests")],
+    r = subprocess.run([sys.executable, "-c", script, cls, "1" if run else "0", str(ROOT / "tests")],
                        capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)
     assert r.returncode == 0 and "ok" in r.stdout, (r.stdout[-2000:], r.stderr[-4000:])
+
+
+@pytest.mark.parametrize("cpu", sorted(CLASSES, key=lambda c: tiles.ISA_CLASSES.index(CLASSES[c])))
+def test_isa_class_tiles(cpu):
+    run_in_class(cpu, _SCRIPT, "test_matmul")
 
 
 def test_target_isa_follows_numba_cpu_override():

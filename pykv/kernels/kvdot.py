@@ -69,6 +69,12 @@ def _i64(context, builder, sig, args, i):
     return context.cast(builder, args[i], sig.args[i], types.int64)
 
 
+def _rows(context, builder, sig, args):
+    """The segment arguments (src, o0, rb, n) as IR: src's byte pointer, then i64 values."""
+    return (_data(context, builder, sig.args[0], args[0]),
+            *(_i64(context, builder, sig, args, i) for i in (1, 2, 3)))
+
+
 def _shape(context, builder, aty, arr):
     return cgutils.unpack_tuple(builder, context.make_array(aty)(context, builder, arr).shape)
 
@@ -114,8 +120,7 @@ def _scores(m):
             return None
 
         def codegen(context, builder, sig, args):
-            srcp = _data(context, builder, sig.args[0], args[0])
-            o0v, rbv, nv = (_i64(context, builder, sig, args, i) for i in (1, 2, 3))
+            srcp, o0v, rbv, nv = _rows(context, builder, sig, args)
             xqp = _data(context, builder, sig.args[4], args[4])
             xdp = _data(context, builder, sig.args[5], args[5])
             sp = _data(context, builder, sig.args[6], args[6])
@@ -172,8 +177,7 @@ def _accum(m):
             return None
 
         def codegen(context, builder, sig, args):
-            srcp = _data(context, builder, sig.args[0], args[0])
-            o0v, rbv, nv = (_i64(context, builder, sig, args, i) for i in (1, 2, 3))
+            srcp, o0v, rbv, nv = _rows(context, builder, sig, args)
             sp = _data(context, builder, sig.args[4], args[4])
             x0v = _i64(context, builder, sig, args, 5)
             ap = _data(context, builder, sig.args[6], args[6])
