@@ -83,9 +83,8 @@ if sys.argv[2] == "1":
     from tests.test_kvdot import run_checks
     print("ok", tiles.ISA, "ran", run_checks())
 else:      # compile only: this host lacks the class's instructions
-    import numba, numpy as np
+    import numba
     from pykv.kernels import kvdot
-    from pykv.kernels.attention import _quant_q16
     u8, i16, f32 = numba.types.uint8[::1], numba.types.int16[:, ::1], numba.types.float32[:, ::1]
     i = numba.types.int64
     for fn in (kvdot.scores_q8_0_1, kvdot.scores_q8_0_3):

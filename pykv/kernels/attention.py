@@ -16,8 +16,8 @@ side of the quantized / f16-residual boundary).  Per segment:
 q8_0 pool rows skip the tiles (kernels.kvdot reads them in place): 1 + 2 become exact int32 dots of
 the int8 keys with the query rows' int16 form (_quant_q16, once per work item), and 4 adds each V
 row's int8 values, made float once, to the G rows with weight p * d (the block scale folded in).
-At depth 4096 (SmolLM2, 2 threads, Zen 5) that took a q8_0 decode step's attention from 0.26 to
-0.19 ms a layer.
+At depth 4096 (tools/bench_attention.py, SmolLM2, 2 threads, Zen 5) that took a q8_0 decode step's
+attention from 0.23-0.24 to 0.16-0.17 ms a layer.
 
 Partials (m, l, acc) go to `part`; a second pass merges the chunks with log-sum-exp weights.
 Each work item allocates its few small tiles (np.empty, ~10 KB) rather than taking slices of one
