@@ -447,8 +447,23 @@ def tiny_seed(path: Path, types=None, **kw) -> bytes:
 
     from tests.reference import write_tiny_gguf
     types = types or {"default": T.Q8_0, "ffn_down": T.Q4_1, "token_embd": T.F16}
-    write_tiny_gguf(path, types, dim=64, ff=128, n_heads=2, n_kv=1, n_layers=2, **kw)
-    return path.read_bytes()
+    tmp = _own_tmp(path)
+    write_tiny_gguf(tmp, types, dim=64, ff=128, n_heads=2, n_kv=1, n_layers=2, **kw)
+    data = tmp.read_bytes()
+    os.replace(tmp, path)
+    return data
+
+
+def _own_tmp(path: Path) -> Path:
+    """A name beside `path` that only this process writes: the parent and every worker build the
+    same seed files in one folder at once, and a file another process has just truncated reads empty."""
+    return path.with_name(f".{path.name}.{os.getpid()}.tmp")
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = _own_tmp(path)
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
 
 
 def spm_seed(path: Path) -> bytes:
@@ -465,7 +480,7 @@ def spm_seed(path: Path) -> bytes:
     g.kvs = [kv for kv in g.kvs if kv.key not in new and kv.key not in (b"tokenizer.ggml.merges", b"tokenizer.ggml.pre")]
     g.kvs += [KV(k, t, enc(t, v)) for k, (t, v) in new.items()]
     out = gg_write(g)
-    path.write_bytes(out)
+    _write_atomic(path, out)
     return out
 
 
