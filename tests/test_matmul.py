@@ -231,6 +231,33 @@ def test_prefill_long_matches_rowwise():
             assert_kernel_result(w, x[i:i + 1], ref_w, out1)
 
 
+@pytest.mark.parametrize("t", K_TYPES, ids=lambda t: t.name)
+def test_ktile_prefill_blocks_equal_single_tokens(t, threads):
+    """A K-quant prefill (full tiles take M._KTILE_NT tokens per call, the weights unpacked once for
+    them; the last tokens of a 16-token work item and the partial last row tile go one by one) gives
+    what one-token calls give (the same integer sums; the float epilogue may round in another order
+    under fast-math: 1e-6 of each dot's scale), and that is the q8_K emulation's dot."""
+    rng = np.random.default_rng(23 + int(t))
+    rows, cols, T = 37, 512, 16 + 2 * M._KTILE_NT + 3
+    data, ref_w = make_weight(t, rows, cols, rng)
+    w = M.prepare_weight(int(t), data, rows, cols)
+    assert w.kind == M._KIND_KTILE
+    x = rng.standard_normal((T, cols)).astype(np.float32)
+    x[5] *= np.float32(30)
+    act = M.Act(cols, T)
+    act.set(x)
+    out = np.full((T, rows), np.nan, np.float32)
+    M.matmul(w, act, out)
+    assert_kernel_result(w, x, ref_w, out)
+    xr = q8_emulate(x, w.act_block)
+    scale = np.abs(xr) @ np.abs(ref_w).T
+    act1, out1 = M.Act(cols, 1), np.zeros((1, rows), np.float32)
+    for i in range(T):
+        act1.set(x[i:i + 1])
+        M.matmul(w, act1, out1)
+        assert np.all(np.abs(out[i] - out1[0]) <= 1e-6 * scale[i]), (i, np.abs(out[i] - out1[0]).max())
+
+
 @pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
 def test_prepare_weight_rejects_bad_sizes(t):
     rng = np.random.default_rng(3)

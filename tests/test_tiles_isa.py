@@ -66,6 +66,28 @@ def tk(kind, qt, xq, xd, xb, out):
             K.dot_ktile_q6k(qt[tile], xq, xd, xb, xd.shape[0], o)
 
 
+K4 = [K._ktile_dot(f, 4) for f in ("q4k", "q5k", "q6k", "q2k", "q3k")]    # by kind, as tk
+k4_0, k4_1, k4_2, k4_3, k4_4 = K4
+
+
+@njit(nogil=True)
+def tk4(kind, qt, xq, xd, xb, out):
+    """The 4-token K tile dot (prefill): xq, xd, xb, out with 4 rows."""
+    R = K.KTILE_ROWS
+    for tile in range(qt.shape[0]):
+        o = out[:, tile * R:(tile + 1) * R]
+        if kind == 0:
+            k4_0(qt[tile], xq, xd, xb, xd.shape[1], o)
+        elif kind == 1:
+            k4_1(qt[tile], xq, xd, xb, xd.shape[1], o)
+        elif kind == 3:
+            k4_3(qt[tile], xq, xd, xb, xd.shape[1], o)
+        elif kind == 4:
+            k4_4(qt[tile], xq, xd, xb, xd.shape[1], o)
+        else:
+            k4_2(qt[tile], xq, xd, xb, xd.shape[1], o)
+
+
 rng = np.random.default_rng(3)
 rows = 40
 cases = [(GT.Q4_1, 0, 256), (GT.Q4_0, 3, 256), (GT.Q5_0, 4, 256), (GT.Q5_1, 1, 256), (GT.Q8_0, 2, 256),
@@ -84,12 +106,24 @@ for gt, kind, cols in cases:
     xs = np.zeros((1, cols // (16 if k else 32)), np.int32)
     args = (kind, w.qt, xq, xd[0], xs[0], out) if k else (kind, w.qt, w.sc, xq, xd[0], xs[0], out)
     fn = tk if k else t32
+    if k:       # and four tokens at once
+        x4 = rng.standard_normal((4, cols)).astype(np.float32)
+        xq4, xd4, xb4 = np.zeros((4, cols), np.int8), np.zeros((4, cols // 256), np.float32), np.zeros((4, cols // 16), np.int32)
+        out4 = np.zeros((4, rows + 64), np.float32)
+        args4 = (kind, w.qt, xq4, xd4, xb4, out4)
     if not run:
-        sig = tuple(numba.typeof(a) for a in args)
-        if (fn, sig) not in compiled:
-            fn.compile(sig)
-            compiled.add((fn, sig))
+        for f, a in ((fn, args),) + (((tk4, args4),) if k else ()):
+            sig = tuple(numba.typeof(v) for v in a)
+            if (f, sig) not in compiled:
+                f.compile(sig)
+                compiled.add((f, sig))
         continue
+    if k:
+        M.quantize_act_q8k(x4, 4, xq4, xd4, xb4)
+        tk4(*args4)
+        for i in range(4):
+            tk(kind, w.qt, xq4[i], xd4[i], xb4[i], out)
+            assert np.array_equal(out4[i, :rows], out[:rows]), (gt.name, i)
     if k:
         M.quantize_act_q8k(x, 1, xq.reshape(1, -1), xd, xs)
     else:

@@ -60,8 +60,7 @@ from ..formats import KV_FORMATS
 from .blocks import KVALUES_IQ4NL, deq_rows, rd_f16
 from .simd import h2f
 # (the tiles' weight-prefetch policy per ISA class: kernels.tiles PF_BYTES / KPF_AHEAD)
-from .tiles import (ISA, KTILE_ROWS, TILE_ROWS, dot_ktile_q2k, dot_ktile_q3k, dot_ktile_q4k, dot_ktile_q5k,
-                    dot_ktile_q6k, dot_tile_by, repack_ktile)
+from .tiles import ISA, KTILE_ROWS, TILE_ROWS, dot_ktile_by, dot_tile_by, repack_ktile
 
 __all__ = ["Weight", "Act", "prepare_weight", "matmul", "matmul_fused", "fuse", "Fused", "get_rows", "set_exact", "quantize_act_q8",
            "quantize_act_q8k", "SUPPORTED_TYPES", "ISA"]
@@ -691,7 +690,8 @@ def _mm_itile_3(ka, kb, kc, quant, qa, sa, oa, qb, sb, ob, qc, sc, oc, T, X, XQ,
 @njit(cache=True, nogil=True, parallel=True, fastmath=_FM)
 def _mm_ktile(gt, quant, qt, rows, T, X, XQ, XD, XB, tail, out):
     """K-quant tiles (kernels.tiles.dot_ktile_*) against q8_K activations.  gt is a compile-time literal:
-    a model compiles only the types it has."""
+    a model compiles only the types it has.  Prefill: full tiles take _KTILE_NT tokens per call (the
+    weights' bit fields unpacked once for them)."""
     literally(gt)
     if quant:
         quantize_act_q8k(X, T, XQ, XD, XB)
@@ -699,21 +699,18 @@ def _mm_ktile(gt, quant, qt, rows, T, X, XQ, XD, XB, tail, out):
     ntb = (T + _ITILE_TB - 1) // _ITILE_TB
     for it in prange(nt * ntb):
         tile = it // ntb
-        t0 = (it % ntb) * _ITILE_TB
+        t = (it % ntb) * _ITILE_TB
+        t1 = min(T, t + _ITILE_TB)
         r0 = tile * R
         full = r0 + R <= rows
-        for t in range(t0, min(T, t0 + _ITILE_TB)):
+        if full:
+            while t + _KTILE_NT <= t1:
+                u = t + _KTILE_NT
+                _dot_ktile_n(gt, qt[tile], XQ[t:u], XD[t:u], XB[t:u], nsb, out[t:u, r0:r0 + R])
+                t = u
+        for t in range(t, t1):
             o = out[t, r0:r0 + R] if full else tail[t, :R]
-            if gt == Q2_K:
-                dot_ktile_q2k(qt[tile], XQ[t], XD[t], XB[t], nsb, o)
-            elif gt == Q3_K:
-                dot_ktile_q3k(qt[tile], XQ[t], XD[t], XB[t], nsb, o)
-            elif gt == Q4_K:
-                dot_ktile_q4k(qt[tile], XQ[t], XD[t], XB[t], nsb, o)
-            elif gt == Q5_K:
-                dot_ktile_q5k(qt[tile], XQ[t], XD[t], XB[t], nsb, o)
-            else:
-                dot_ktile_q6k(qt[tile], XQ[t], XD[t], XB[t], nsb, o)
+            _dot_ktile(gt, qt[tile], XQ[t], XD[t], XB[t], nsb, o)
             if not full:
                 for i in range(rows - r0):
                     out[t, r0 + i] = tail[t, i]
@@ -815,6 +812,9 @@ _INT_KINDS = _ITILE_KINDS + (_KIND_KTILE,)
 _dot_itile = dot_tile_by({_KIND_ITILE_Q4: "q4", _KIND_ITILE_Q5: "q5", _KIND_ITILE_Q8: "q8", _KIND_ITILE_Q40: "q40",
                           _KIND_ITILE_Q50: "q50", _KIND_ITILE_IQ4: "iq4"})
 _KTILE_FMT = {Q2_K: "q2k", Q3_K: "q3k", Q4_K: "q4k", Q5_K: "q5k", Q6_K: "q6k"}
+_KTILE_NT = 4       # prefill: tokens per K tile call
+_dot_ktile = dot_ktile_by(_KTILE_FMT)
+_dot_ktile_n = dot_ktile_by(_KTILE_FMT, _KTILE_NT)
 # byte offsets of each K-quant's f16 super-block scales (d, and dmin where there is one)
 _K_F16 = {Q2_K: (80, 82), Q3_K: (108,), Q4_K: (0, 2), Q5_K: (0, 2), Q6_K: (208,)}
 

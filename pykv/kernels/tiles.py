@@ -328,23 +328,28 @@ dot_tile_q8 = intrinsic(_tile_dot("q8"))
 dot_tile_iq4 = intrinsic(_tile_dot("iq4"))
 
 
+def _pick(typingctx, typers, kind, args):
+    """(signature, codegen) of typers[kind](*args) behind a leading literal `kind` argument, or None.
+    kind is an integer literal (numba.literally) chosen at typing time, so a kernel compiles only the
+    formats it is called with (a branch on a literal inside an inlined helper is not pruned; this is)."""
+    if not isinstance(kind, types.IntegerLiteral) or kind.literal_value not in typers:
+        return None
+    r = typers[kind.literal_value](typingctx, *args)
+    if r is None:
+        return None
+    inner, cg = r
+
+    def codegen(context, builder, sig, cargs):
+        return cg(context, builder, inner, cargs[1:])
+    return types.void(kind, *args), codegen
+
+
 def dot_tile_by(fmts):
-    """Intrinsic (kind, qt, sc, xq, xd, xs, nb, out): dot_tile_<fmts[kind]>(qt, ...), kind an integer
-    literal (numba.literally) chosen at typing time, so a kernel compiles only the formats it is called
-    with (a branch on a literal inside an inlined helper is not pruned; this is)."""
+    """Intrinsic (kind, qt, sc, xq, xd, xs, nb, out): dot_tile_<fmts[kind]>(qt, ...)."""
     typers = {k: _tile_dot(f) for k, f in fmts.items()}
 
     def typer(typingctx, kind, qt, sc, xq, xd, xa, nb, out):
-        if not isinstance(kind, types.IntegerLiteral) or kind.literal_value not in typers:
-            return None
-        r = typers[kind.literal_value](typingctx, qt, sc, xq, xd, xa, nb, out)
-        if r is None:
-            return None
-        inner, cg = r
-
-        def codegen(context, builder, sig, args):
-            return cg(context, builder, inner, args[1:])
-        return types.void(kind, qt, sc, xq, xd, xa, nb, out), codegen
+        return _pick(typingctx, typers, kind, (qt, sc, xq, xd, xa, nb, out))
     return intrinsic(typer)
 
 
@@ -386,21 +391,36 @@ _KFMT = {"q2k": (2, None, 64, 0), "q3k": (2, (1, 64), 96, 4), "q4k": (4, None, N
          "q5k": (4, (1, 128), None, 0), "q6k": (4, (2, 128), 192, 32)}
 
 
-def _ktile_dot(fmt):
-    """Intrinsic (qt, xq, xd, xb, nsb, out): out[0:L] = the K tile's rows . x (qt: one tile's bytes)."""
+def _row_ptrs(context, builder, aty, arr, nt):
+    """Data pointers of rows 0..nt-1 of a 2-D array value (a 1-D array: its one data pointer)."""
+    a = context.make_array(aty)(context, builder, arr)
+    if aty.ndim == 1:
+        return [a.data]
+    stride = cgutils.unpack_tuple(builder, a.strides, 2)[0]           # bytes
+    base = builder.bitcast(a.data, I8.as_pointer())
+    return [builder.bitcast(builder.gep(base, [builder.mul(stride, _c(n))]), a.data.type) for n in range(nt)]
+
+
+def _ktile_typer(fmt, nt):
+    """Typer of the intrinsic (qt, xq, xd, xb, nsb, out): out[0:L] = the K tile's rows . x (qt: one tile's bytes).
+    nt > 1: nt tokens at once (xq, xd, xb, out 2-D, their first nt rows): each sub-block's weight
+    values are unpacked once for all nt tokens (prefill)."""
     SB = KBYTES[fmt]
     lb, hi, sco, z = _KFMT[fmt]
     umax = (1 << (lb + (hi[0] if hi else 0))) - 1
+    nd = 1 if nt == 1 else 2
 
     def typer(typingctx, qt, xq, xd, xb, nsb, out):
         if not (_arr(qt, types.uint8) and _arr(xq, types.int8) and _arr(xd, types.float32)
-                and _arr(xb, types.int32) and isinstance(nsb, types.Integer) and _arr(out, types.float32)):
+                and _arr(xb, types.int32) and isinstance(nsb, types.Integer) and _arr(out, types.float32)
+                and xq.ndim == xd.ndim == xb.ndim == out.ndim == nd):
             return None
 
         def codegen(context, builder, sig, args):
-            qtp, xqp, xdp, xbp = (_data(context, builder, sig.args[i], args[i]) for i in range(4))
+            qtp = _data(context, builder, sig.args[0], args[0])
+            xqp, xdp, xbp = (_row_ptrs(context, builder, sig.args[i], args[i], nt) for i in range(1, 4))
             nv = context.cast(builder, args[4], sig.args[4], types.int64)
-            outp = _data(context, builder, sig.args[5], args[5])
+            outp = _row_ptrs(context, builder, sig.args[5], args[5], nt)
             R = L
             n4 = 4 * L
             vi, vb = _vec(I32, L), _vec(I8, n4)
@@ -419,10 +439,10 @@ def _ktile_dot(fmt):
             def row_bytes(base, off):          # <L x i8> at base + off * R
                 return _ld(builder, qtp, builder.add(base, _c(off * R)), _vec(I8, L))
 
-            def xsum(b, h):                    # splat of xb[16b + h]
-                return _splat(builder, _ld(builder, xbp, builder.add(builder.mul(b, _c(16)), _c(h)), I32, 4), L)
+            def xsum(n, b, h):                 # splat of token n's xb[16b + h]
+                return _splat(builder, _ld(builder, xbp[n], builder.add(builder.mul(b, _c(16)), _c(h)), I32, 4), L)
 
-            sums = [cgutils.alloca_once_value(builder, ir.Constant(_vec(F32, L), [0.0] * L))]
+            sums = [cgutils.alloca_once_value(builder, ir.Constant(_vec(F32, L), [0.0] * L)) for _ in range(nt)]
             with cgutils.for_range(builder, nv) as loop:
                 b = loop.index
                 base = builder.mul(b, _c(SB * R))
@@ -430,10 +450,9 @@ def _ktile_dot(fmt):
                 if KPF_AHEAD:                    # the super-block KPF_AHEAD ahead (past the tile: the next one's)
                     for o in range(0, SB * R, 64):
                         _prefetch(builder, qtp, builder.add(base, _c(KPF_AHEAD * SB * R + o)), PF_LOCALITY)
-                isum = ci(0)
-                msum = ci(0)
+                isum = [ci(0)] * nt
+                msum = [ci(0)] * nt
                 for t in range(8):
-                    xs = [_bcast4(builder, xqp, builder.add(xb0, _c(32 * t + 4 * jj))) for jj in range(8)]
                     us = []
                     for jj in range(8):
                         u = bits(base, 32 * (t * lb // 8) + 4 * jj, lb, t)
@@ -445,12 +464,14 @@ def _ktile_dot(fmt):
                     if sco is None:                # 6-bit sc, m per sub-block of 32
                         sc = builder.zext(row_bytes(base, SB - 20 + t), vi)
                         mn = builder.zext(row_bytes(base, SB - 12 + t), vi)
-                        isum = builder.add(isum, _bdot(builder, list(zip(us, xs)), umax, sc))
-                        msum = builder.add(msum, builder.mul(mn, builder.add(xsum(b, 2 * t), xsum(b, 2 * t + 1))))
+                        for n in range(nt):
+                            xs = [_bcast4(builder, xqp[n], builder.add(xb0, _c(32 * t + 4 * jj))) for jj in range(8)]
+                            isum[n] = builder.add(isum[n], _bdot(builder, list(zip(us, xs)), umax, sc))
+                            msum[n] = builder.add(msum[n], builder.mul(mn, builder.add(xsum(n, b, 2 * t),
+                                                                                       xsum(n, b, 2 * t + 1))))
                         continue
                     for half in range(2):          # a scale per sub-block of 16
                         h = 2 * t + half
-                        pairs = list(zip(us[4 * half:4 * half + 4], xs[4 * half:4 * half + 4]))
                         if z:                      # signed scale; the offset z is taken off once per super-block
                             sc = builder.sext(row_bytes(base, sco + h), vi)
                             mn = sc
@@ -458,23 +479,44 @@ def _ktile_dot(fmt):
                             s8 = builder.zext(row_bytes(base, sco + h), vi)
                             sc = builder.and_(s8, ci(15))
                             mn = builder.lshr(s8, ci(4))
-                        isum = builder.add(isum, _bdot(builder, pairs, umax, sc))
-                        msum = builder.add(msum, builder.mul(mn, xsum(b, h)))
+                        for n in range(nt):
+                            xs = [_bcast4(builder, xqp[n], builder.add(xb0, _c(32 * t + 4 * jj)))
+                                  for jj in range(4 * half, 4 * half + 4)]
+                            isum[n] = builder.add(isum[n], _bdot(builder, list(zip(us[4 * half:4 * half + 4], xs)),
+                                                                 umax, sc))
+                            msum[n] = builder.add(msum[n], builder.mul(mn, xsum(n, b, h)))
                 hp = builder.bitcast(qtp, I16.as_pointer())
                 hb_ = builder.mul(b, _c(SB * R // 2))
-                xdb = _splat(builder, _ld(builder, xdp, b, F32, 4), L)
                 d = _halves(builder, hp, builder.add(hb_, _c((SB - 2 if z else SB - 4) * R // 2)))
-                if z:
-                    v = builder.fmul(d, builder.sitofp(builder.sub(isum, builder.mul(msum, ci(z))), _vec(F32, L)))
-                else:
+                if not z:
                     dmin = _halves(builder, hp, builder.add(hb_, _c((SB - 2) * R // 2)))
-                    v = builder.fsub(builder.fmul(d, builder.sitofp(isum, _vec(F32, L))),
-                                     builder.fmul(dmin, builder.sitofp(msum, _vec(F32, L))))
-                builder.store(builder.fadd(builder.load(sums[0]), builder.fmul(xdb, v)), sums[0])
-            _store_out(builder, outp, sums)
+                for n in range(nt):
+                    xdb = _splat(builder, _ld(builder, xdp[n], b, F32, 4), L)
+                    if z:
+                        v = builder.fmul(d, builder.sitofp(builder.sub(isum[n], builder.mul(msum[n], ci(z))),
+                                                           _vec(F32, L)))
+                    else:
+                        v = builder.fsub(builder.fmul(d, builder.sitofp(isum[n], _vec(F32, L))),
+                                         builder.fmul(dmin, builder.sitofp(msum[n], _vec(F32, L))))
+                    builder.store(builder.fadd(builder.load(sums[n]), builder.fmul(xdb, v)), sums[n])
+            for n in range(nt):
+                _store_out(builder, outp[n], sums[n:n + 1])
             return context.get_dummy_value()
         return types.void(qt, xq, xd, xb, nsb, out), codegen
-    typer.__name__ = "dot_ktile_" + fmt
+    typer.__name__ = f"dot_ktile_{fmt}" + (f"_x{nt}" if nt > 1 else "")
+    return typer
+
+
+def _ktile_dot(fmt, nt=1):
+    return intrinsic(_ktile_typer(fmt, nt))
+
+
+def dot_ktile_by(fmts, nt=1):
+    """Intrinsic (kind, qt, xq, xd, xb, nsb, out): the nt-token K tile dot of format fmts[kind]."""
+    typers = {k: _ktile_typer(f, nt) for k, f in fmts.items()}
+
+    def typer(typingctx, kind, qt, xq, xd, xb, nsb, out):
+        return _pick(typingctx, typers, kind, (qt, xq, xd, xb, nsb, out))
     return intrinsic(typer)
 
 
