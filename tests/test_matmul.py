@@ -231,17 +231,21 @@ def test_prefill_long_matches_rowwise():
             assert_kernel_result(w, x[i:i + 1], ref_w, out1)
 
 
-@pytest.mark.parametrize("t", K_TYPES, ids=lambda t: t.name)
-def test_ktile_prefill_blocks_equal_single_tokens(t, threads):
-    """A K-quant prefill (full tiles take M._KTILE_NT tokens per call, the weights unpacked once for
-    them; the last tokens of a 16-token work item and the partial last row tile go one by one) gives
-    what one-token calls give (the same integer sums; the float epilogue may round in another order
-    under fast-math: 1e-6 of each dot's scale), and that is the q8_K emulation's dot."""
+INT_TILE_TYPES = (GT.Q4_0, GT.Q4_1, GT.Q5_0, GT.Q5_1, GT.Q8_0, GT.IQ4_NL) + K_TYPES
+
+
+@pytest.mark.parametrize("t", INT_TILE_TYPES, ids=lambda t: t.name)
+def test_prefill_token_groups_equal_single_tokens(t, threads):
+    """A prefill through the integer tiles (full tiles take M._TOK_NT tokens a call, the weights unpacked
+    once for them where kernels.tiles.TOKEN_BLOCK says so; the last tokens of a 16-token work item and
+    the partial last row tile go one by one) gives what one-token calls give (the same integer sums;
+    the float epilogue may round in another order under fast-math: 1e-6 of each dot's scale), and that
+    is the q8 emulation's dot."""
     rng = np.random.default_rng(23 + int(t))
-    rows, cols, T = 37, 512, 16 + 2 * M._KTILE_NT + 3
+    rows, cols, T = 37, 512, 16 + 2 * M._TOK_NT + 3
     data, ref_w = make_weight(t, rows, cols, rng)
     w = M.prepare_weight(int(t), data, rows, cols)
-    assert w.kind == M._KIND_KTILE
+    assert w.kind in M._INT_KINDS
     x = rng.standard_normal((T, cols)).astype(np.float32)
     x[5] *= np.float32(30)
     act = M.Act(cols, T)

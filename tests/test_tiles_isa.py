@@ -66,8 +66,28 @@ def tk(kind, qt, xq, xd, xb, out):
             K.dot_ktile_q6k(qt[tile], xq, xd, xb, xd.shape[0], o)
 
 
-K4 = [K._ktile_dot(f, 4) for f in ("q4k", "q5k", "q6k", "q2k", "q3k")]    # by kind, as tk
-k4_0, k4_1, k4_2, k4_3, k4_4 = K4
+k4_0, k4_1, k4_2, k4_3, k4_4 = [K._ktile_dot(f, 4) for f in ("q4k", "q5k", "q6k", "q2k", "q3k")]   # kinds of tk
+i4_0, i4_1, i4_2, i4_3, i4_4, i4_5 = [K.intrinsic(K._tile_dot(f, 4)) for f in ("q4", "q5", "q8", "q40", "q50", "iq4")]
+
+
+@njit(nogil=True)
+def t32x4(kind, qt, sc, xq, xd, xs, out):
+    """The 4-token tile dot (prefill): xq, xd, xs, out with 4 rows."""
+    R = qt.shape[3]
+    for tile in range(qt.shape[0]):
+        o = out[:, tile * R:(tile + 1) * R]
+        if kind == 0:
+            i4_0(qt[tile], sc[tile], xq, xd, xs, xd.shape[1], o)
+        elif kind == 1:
+            i4_1(qt[tile], sc[tile], xq, xd, xs, xd.shape[1], o)
+        elif kind == 3:
+            i4_3(qt[tile], sc[tile], xq, xd, xs, xd.shape[1], o)
+        elif kind == 4:
+            i4_4(qt[tile], sc[tile], xq, xd, xs, xd.shape[1], o)
+        elif kind == 5:
+            i4_5(qt[tile], sc[tile], xq, xd, xs, xd.shape[1], o)
+        else:
+            i4_2(qt[tile], sc[tile], xq, xd, xs, xd.shape[1], o)
 
 
 @njit(nogil=True)
@@ -106,24 +126,27 @@ for gt, kind, cols in cases:
     xs = np.zeros((1, cols // (16 if k else 32)), np.int32)
     args = (kind, w.qt, xq, xd[0], xs[0], out) if k else (kind, w.qt, w.sc, xq, xd[0], xs[0], out)
     fn = tk if k else t32
-    if k:       # and four tokens at once
-        x4 = rng.standard_normal((4, cols)).astype(np.float32)
-        xq4, xd4, xb4 = np.zeros((4, cols), np.int8), np.zeros((4, cols // 256), np.float32), np.zeros((4, cols // 16), np.int32)
-        out4 = np.zeros((4, rows + 64), np.float32)
-        args4 = (kind, w.qt, xq4, xd4, xb4, out4)
+    # and four tokens in one call (prefill)
+    x4 = rng.standard_normal((4, cols)).astype(np.float32)
+    xq4, xd4, xs4 = np.zeros((4, cols), np.int8), np.zeros((4, xd.shape[1]), np.float32), np.zeros((4, xs.shape[1]), np.int32)
+    out4 = np.zeros((4, rows + 64), np.float32)
+    args4 = (kind, w.qt, xq4, xd4, xs4, out4) if k else (kind, w.qt, w.sc, xq4, xd4, xs4, out4)
+    fn4 = tk4 if k else t32x4
     if not run:
-        for f, a in ((fn, args),) + (((tk4, args4),) if k else ()):
+        for f, a in ((fn, args), (fn4, args4)):
             sig = tuple(numba.typeof(v) for v in a)
             if (f, sig) not in compiled:
                 f.compile(sig)
                 compiled.add((f, sig))
         continue
     if k:
-        M.quantize_act_q8k(x4, 4, xq4, xd4, xb4)
-        tk4(*args4)
-        for i in range(4):
-            tk(kind, w.qt, xq4[i], xd4[i], xb4[i], out)
-            assert np.array_equal(out4[i, :rows], out[:rows]), (gt.name, i)
+        M.quantize_act_q8k(x4, 4, xq4, xd4, xs4)
+    else:
+        M.quantize_act_q8(x4, 4, xq4, xd4, xs4, np.zeros_like(xd4))
+    fn4(*args4)
+    for i in range(4):       # each token as a one-token call: bit for bit (no fast-math here)
+        fn(*((kind, w.qt, xq4[i], xd4[i], xs4[i], out) if k else (kind, w.qt, w.sc, xq4[i], xd4[i], xs4[i], out)))
+        assert np.array_equal(out4[i, :rows], out[:rows]), (gt.name, i)
     if k:
         M.quantize_act_q8k(x, 1, xq.reshape(1, -1), xd, xs)
     else:

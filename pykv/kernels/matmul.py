@@ -640,6 +640,18 @@ def _call_kind(disp, kind, *args):
 _ITILE_TB = 16      # prefill: tokens per work item (a tile's weights stay in L1/L2 across them)
 
 
+@njit(cache=True, nogil=True, fastmath=_FM, inline="always")
+def _itile_tokens(kind, qt, sc, XQ, XD, XS, nb, out, r0, R, t, t1):
+    """Tokens t .. t1-1 of one full row tile (its rows r0 .. r0+R of out): _TOK_NT tokens a call (the
+    tile's weights unpacked once for a group where kernels.tiles.TOKEN_BLOCK says so), then one by one."""
+    while t + _TOK_NT <= t1:
+        u = t + _TOK_NT
+        _dot_itile_n(kind, qt, sc, XQ[t:u], XD[t:u], XS[t:u], nb, out[t:u, r0:r0 + R])
+        t = u
+    for t in range(t, t1):
+        _dot_itile(kind, qt, sc, XQ[t], XD[t], XS[t], nb, out[t, r0:r0 + R])
+
+
 @njit(cache=True, nogil=True, parallel=True, fastmath=_FM)
 def _mm_itile(kind, quant, qt, sc, rows, T, X, XQ, XD, XS, XF, tail, out):
     """Q4 / Q5 / Q8 integer tiles; kind (_KIND_ITILE_*) is a compile-time literal."""
@@ -651,12 +663,13 @@ def _mm_itile(kind, quant, qt, sc, rows, T, X, XQ, XD, XS, XF, tail, out):
     for it in prange(nt * ntb):
         tile = it // ntb
         t0 = (it % ntb) * _ITILE_TB
+        t1 = min(T, t0 + _ITILE_TB)
         r0 = tile * R
-        full = r0 + R <= rows
-        for t in range(t0, min(T, t0 + _ITILE_TB)):
-            o = out[t, r0:r0 + R] if full else tail[t, :R]
-            _dot_itile(kind, qt[tile], sc[tile], XQ[t], XD[t], XS[t], nb, o)
-            if not full:
+        if r0 + R <= rows:
+            _itile_tokens(kind, qt[tile], sc[tile], XQ, XD, XS, nb, out, r0, R, t0, t1)
+        else:
+            for t in range(t0, t1):
+                _dot_itile(kind, qt[tile], sc[tile], XQ[t], XD[t], XS[t], nb, tail[t, :R])
                 for i in range(rows - r0):
                     out[t, r0 + i] = tail[t, i]
 
@@ -676,22 +689,21 @@ def _mm_itile_3(ka, kb, kc, quant, qa, sa, oa, qb, sb, ob, qc, sc, oc, T, X, XQ,
     for w in prange((na + nb_ + qc.shape[0]) * ntb):
         it = w // ntb
         t0 = (w % ntb) * _ITILE_TB
-        for t in range(t0, min(T, t0 + _ITILE_TB)):
-            if it < na:
-                _dot_itile(ka, qa[it], sa[it], XQ[t], XD[t], XS[t], nblk, oa[t, it * R:it * R + R])
-            elif it < na + nb_:
-                k = it - na
-                _dot_itile(kb, qb[k], sb[k], XQ[t], XD[t], XS[t], nblk, ob[t, k * R:k * R + R])
-            else:
-                k = it - na - nb_
-                _dot_itile(kc, qc[k], sc[k], XQ[t], XD[t], XS[t], nblk, oc[t, k * R:k * R + R])
+        t1 = min(T, t0 + _ITILE_TB)
+        if it < na:
+            _itile_tokens(ka, qa[it], sa[it], XQ, XD, XS, nblk, oa, it * R, R, t0, t1)
+        elif it < na + nb_:
+            k = it - na
+            _itile_tokens(kb, qb[k], sb[k], XQ, XD, XS, nblk, ob, k * R, R, t0, t1)
+        else:
+            k = it - na - nb_
+            _itile_tokens(kc, qc[k], sc[k], XQ, XD, XS, nblk, oc, k * R, R, t0, t1)
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=_FM)
 def _mm_ktile(gt, quant, qt, rows, T, X, XQ, XD, XB, tail, out):
     """K-quant tiles (kernels.tiles.dot_ktile_*) against q8_K activations.  gt is a compile-time literal:
-    a model compiles only the types it has.  Prefill: full tiles take _KTILE_NT tokens per call (the
-    weights' bit fields unpacked once for them)."""
+    a model compiles only the types it has.  Full tiles take _TOK_NT tokens a call (as _itile_tokens)."""
     literally(gt)
     if quant:
         quantize_act_q8k(X, T, XQ, XD, XB)
@@ -702,16 +714,16 @@ def _mm_ktile(gt, quant, qt, rows, T, X, XQ, XD, XB, tail, out):
         t = (it % ntb) * _ITILE_TB
         t1 = min(T, t + _ITILE_TB)
         r0 = tile * R
-        full = r0 + R <= rows
-        if full:
-            while t + _KTILE_NT <= t1:
-                u = t + _KTILE_NT
+        if r0 + R <= rows:
+            while t + _TOK_NT <= t1:
+                u = t + _TOK_NT
                 _dot_ktile_n(gt, qt[tile], XQ[t:u], XD[t:u], XB[t:u], nsb, out[t:u, r0:r0 + R])
                 t = u
-        for t in range(t, t1):
-            o = out[t, r0:r0 + R] if full else tail[t, :R]
-            _dot_ktile(gt, qt[tile], XQ[t], XD[t], XB[t], nsb, o)
-            if not full:
+            for t in range(t, t1):
+                _dot_ktile(gt, qt[tile], XQ[t], XD[t], XB[t], nsb, out[t, r0:r0 + R])
+        else:
+            for t in range(t, t1):
+                _dot_ktile(gt, qt[tile], XQ[t], XD[t], XB[t], nsb, tail[t, :R])
                 for i in range(rows - r0):
                     out[t, r0 + i] = tail[t, i]
 
@@ -808,13 +820,15 @@ _KIND_ITILE_IQ4 = 9  # integer-dot tiles, IQ4_NL (d only, nibbles through llama.
 _KIND_KTILE = 5      # integer-dot K-quant tiles, Q2_K ... Q6_K (q8_K activations)
 _ITILE_KINDS = (_KIND_ITILE_Q4, _KIND_ITILE_Q5, _KIND_ITILE_Q8, _KIND_ITILE_Q40, _KIND_ITILE_Q50, _KIND_ITILE_IQ4)   # q8_0 activations
 _INT_KINDS = _ITILE_KINDS + (_KIND_KTILE,)
+_TOK_NT = 4         # prefill: tokens per tile call (kernels.tiles.TOKEN_BLOCK: which formats group them)
 # the integer tile dot of a literal _KIND_ITILE_* kind (only the kinds a kernel is called with compile)
-_dot_itile = dot_tile_by({_KIND_ITILE_Q4: "q4", _KIND_ITILE_Q5: "q5", _KIND_ITILE_Q8: "q8", _KIND_ITILE_Q40: "q40",
-                          _KIND_ITILE_Q50: "q50", _KIND_ITILE_IQ4: "iq4"})
+_ITILE_FMT = {_KIND_ITILE_Q4: "q4", _KIND_ITILE_Q5: "q5", _KIND_ITILE_Q8: "q8", _KIND_ITILE_Q40: "q40",
+              _KIND_ITILE_Q50: "q50", _KIND_ITILE_IQ4: "iq4"}
+_dot_itile = dot_tile_by(_ITILE_FMT)
+_dot_itile_n = dot_tile_by(_ITILE_FMT, _TOK_NT)
 _KTILE_FMT = {Q2_K: "q2k", Q3_K: "q3k", Q4_K: "q4k", Q5_K: "q5k", Q6_K: "q6k"}
-_KTILE_NT = 4       # prefill: tokens per K tile call
 _dot_ktile = dot_ktile_by(_KTILE_FMT)
-_dot_ktile_n = dot_ktile_by(_KTILE_FMT, _KTILE_NT)
+_dot_ktile_n = dot_ktile_by(_KTILE_FMT, _TOK_NT)
 # byte offsets of each K-quant's f16 super-block scales (d, and dmin where there is one)
 _K_F16 = {Q2_K: (80, 82), Q3_K: (108,), Q4_K: (0, 2), Q5_K: (0, 2), Q6_K: (208,)}
 

@@ -189,6 +189,19 @@ def _lut16(builder, idx, table):
     return out
 
 
+# Prefill: a tile call for nt tokens unpacks each weight vector once for a group of tokens where that is
+# measured to pay (the unpacking costs more than the dot: Zen 3, avx2, 1 thread, 480 tokens through one
+# matrix, x1 -> x4 ms: Q4_0 12.4 -> 10.1, Q5_0 15 -> 10, Q5_1 16.0 -> 12.8, Q6_K 22 -> 16, Q2_K 13 -> 9,
+# Q3_K 19 -> 13); other formats and classes run the tokens one after another inside the call (Q8_0 and
+# Q4_1 on avx2 are slower or no faster in groups; the AVX-512 class measured slower in groups).
+TOKEN_BLOCK = {"avx2": ("q40", "q50", "q5", "q2k", "q3k", "q5k", "q6k")}.get(ISA, ())
+
+
+def _passes(nt, tb):
+    """Token indices 0..nt-1 in groups of tb (each group: one pass over the weights)."""
+    return [list(range(i, min(nt, i + tb))) for i in range(0, nt, tb)]
+
+
 # ----------------------------------------------------------------------------------------------------
 # tile kernels (intrinsics).  No bounds checks: callers pass whole tiles.
 # ----------------------------------------------------------------------------------------------------
@@ -218,8 +231,9 @@ def _arr(t, dt):
     return isinstance(t, types.Array) and t.dtype == dt
 
 
-def _tile_dot(fmt):
+def _tile_dot(fmt, nt=1):
     """Typer of the intrinsic (qt, sc, xq, xd, xs, nb, out): out[0:TILE_ROWS] = the tile's rows . x.
+    nt > 1: nt tokens at once (xq, xd, xs, out 2-D, their first nt rows), each weight vector unpacked once.
 
     Tile layout (TILE_ROWS = G*L rows, nb blocks of 32 columns), 4 columns of one row per 32-bit lane:
       Q4 (Q4_0 / Q4_1): qt uint8 [nb][4 groups jj][R rows][4 bytes]: byte c of group jj holds columns
@@ -245,78 +259,89 @@ def _tile_dot(fmt):
     groups = 4 if q4 else 8
     stride = (groups + q5) * 4                 # bytes per row per block
 
+    nd = 1 if nt == 1 else 2
+    tb = nt if fmt in TOKEN_BLOCK else 1
+
     def typer(typingctx, qt, sc, xq, xd, xa, nb, out):
         if not (_arr(qt, types.uint8) and _arr(sc, types.uint16) and _arr(xq, types.int8)
                 and _arr(xd, types.float32) and _arr(xa, types.int32) and isinstance(nb, types.Integer)
-                and _arr(out, types.float32)):
+                and _arr(out, types.float32) and xq.ndim == xd.ndim == xa.ndim == out.ndim == nd):
             return None
 
         def codegen(context, builder, sig, args):
-            qtp, scp, xqp, xdp, xap = (_data(context, builder, sig.args[i], args[i]) for i in range(5))
+            qtp, scp = (_data(context, builder, sig.args[i], args[i]) for i in range(2))
+            xqp, xdp, xap = (_row_ptrs(context, builder, sig.args[i], args[i], nt) for i in range(2, 5))
             nbv = context.cast(builder, args[5], sig.args[5], types.int64)
-            outp = _data(context, builder, sig.args[6], args[6])
+            outp = _row_ptrs(context, builder, sig.args[6], args[6], nt)
             R = TILE_ROWS
             n4 = 4 * L
             vi = _vec(I32, L)
             m15 = ir.Constant(_vec(I8, n4), [15] * n4)
             sh4 = ir.Constant(_vec(I8, n4), [4] * n4)
-            sums = [cgutils.alloca_once_value(builder, ir.Constant(_vec(F32, L), [0.0] * L)) for _ in range(G)]
-            with cgutils.for_range(builder, nbv) as loop:
-                b = loop.index
-                xb = builder.mul(b, _c(32))
-                qb = builder.mul(b, _c(stride * R))
-                if q4:
-                    xs = [(_bcast4(builder, xqp, builder.add(xb, _c(4 * jj))),
-                           _bcast4(builder, xqp, builder.add(xb, _c(16 + 4 * jj)))) for jj in range(groups)]
-                else:
-                    xs = [_bcast4(builder, xqp, builder.add(xb, _c(4 * jj))) for jj in range(groups)]
-                xdv = _ld(builder, xdp, b, F32, 4)
-                xdb = _splat(builder, xdv, L)
-                if hasm:
-                    xfb = _splat(builder, builder.fmul(xdv, builder.sitofp(_ld(builder, xap, b, I32, 4), F32)), L)
-                if z:
-                    zxs = _splat(builder, builder.mul(_ld(builder, xap, b, I32, 4), ir.Constant(I32, z)), L)
-                sb = builder.mul(b, _c(nsc * R))
-                if PF_BYTES:
-                    ahead = -(-PF_BYTES // (stride * R))       # blocks ahead to prefetch (past the tile: the next one's)
-                    for o in range(0, stride * R, 64):
-                        _prefetch(builder, qtp, builder.add(qb, _c(ahead * stride * R + o)), PF_LOCALITY)
-                    _prefetch(builder, builder.bitcast(scp, I8.as_pointer()),
-                              builder.mul(builder.add(b, _c(ahead)), _c(nsc * R * 2)), PF_LOCALITY)
-                for k in range(G):
-                    pairs = []
-                    if q5:
-                        hw = _ld(builder, qtp, builder.add(qb, _c(4 * R * groups + n4 * k)), vi)
+            for ns in _passes(nt, tb):          # token groups whose weights are unpacked once
+                sums = {n: [cgutils.alloca_once_value(builder, ir.Constant(_vec(F32, L), [0.0] * L))
+                            for _ in range(G)] for n in ns}
+                with cgutils.for_range(builder, nbv) as loop:
+                    b = loop.index
+                    xb = builder.mul(b, _c(32))
+                    qb = builder.mul(b, _c(stride * R))
+                    xs, xdb, xfb, zxs = {}, {}, {}, {}      # per token n
+                    for n in ns:
+                        # the 4-byte activation groups in pair order (Q4: low then high nibble columns)
+                        offs = [o for jj in range(groups) for o in ((4 * jj, 16 + 4 * jj) if q4 else (4 * jj,))]
+                        xs[n] = [_bcast4(builder, xqp[n], builder.add(xb, _c(o))) for o in offs]
+                        xdv = _ld(builder, xdp[n], b, F32, 4)
+                        xdb[n] = _splat(builder, xdv, L)
+                        xa_n = _ld(builder, xap[n], b, I32, 4)
+                        if hasm:
+                            xfb[n] = _splat(builder, builder.fmul(xdv, builder.sitofp(xa_n, F32)), L)
+                        if z:
+                            zxs[n] = _splat(builder, builder.mul(xa_n, ir.Constant(I32, z)), L)
+                    sb = builder.mul(b, _c(nsc * R))
+                    if PF_BYTES:
+                        ahead = -(-PF_BYTES // (stride * R))       # blocks ahead to prefetch (past the tile: the next one's)
+                        for o in range(0, stride * R, 64):
+                            _prefetch(builder, qtp, builder.add(qb, _c(ahead * stride * R + o)), PF_LOCALITY)
+                        _prefetch(builder, builder.bitcast(scp, I8.as_pointer()),
+                                  builder.mul(builder.add(b, _c(ahead)), _c(nsc * R * 2)), PF_LOCALITY)
+                    for k in range(G):
+                        ws = []                # the group's weight values, unpacked once for the tokens ns
+                        if q5:
+                            hw = _ld(builder, qtp, builder.add(qb, _c(4 * R * groups + n4 * k)), vi)
 
-                        def hbit(s):       # bit s of each byte of hw, moved to bit 4
-                            v = builder.and_(builder.lshr(hw, ir.Constant(vi, [s] * L)), ir.Constant(vi, [0x01010101] * L))
-                            return _bytes(builder, builder.shl(v, ir.Constant(vi, [4] * L)))
-                    for jj in range(groups):
-                        w = _ld(builder, qtp, builder.add(qb, _c(4 * R * jj + n4 * k)), _vec(I8, n4))
-                        if q4:
-                            lo = builder.and_(w, m15)
-                            hi = builder.and_(builder.lshr(w, sh4), m15)
-                            if q5:
-                                lo = builder.or_(lo, hbit(jj))
-                                hi = builder.or_(hi, hbit(4 + jj))
-                            if nl:
-                                lo, hi = _lut16(builder, lo, KVALUES_IQ4NL), _lut16(builder, hi, KVALUES_IQ4NL)
-                            pairs += [(lo, xs[jj][0]), (hi, xs[jj][1])]
-                        else:
-                            pairs.append((w, xs[jj]))
-                    a = _bdot(builder, pairs, 31 if q5 else 15, signed=nl or not q4)
-                    if z:
-                        a = builder.sub(a, zxs)
-                    d = _halves(builder, scp, builder.add(sb, _c(L * k)))
-                    s = builder.fadd(builder.load(sums[k]),
-                                     builder.fmul(builder.fmul(d, xdb), builder.sitofp(a, _vec(F32, L))))
-                    if hasm:
-                        s = builder.fadd(s, builder.fmul(_halves(builder, scp, builder.add(sb, _c(R + L * k))), xfb))
-                    builder.store(s, sums[k])
-            _store_out(builder, outp, sums)
+                            def hbit(s):       # bit s of each byte of hw, moved to bit 4
+                                v = builder.and_(builder.lshr(hw, ir.Constant(vi, [s] * L)), ir.Constant(vi, [0x01010101] * L))
+                                return _bytes(builder, builder.shl(v, ir.Constant(vi, [4] * L)))
+                        for jj in range(groups):
+                            w = _ld(builder, qtp, builder.add(qb, _c(4 * R * jj + n4 * k)), _vec(I8, n4))
+                            if q4:
+                                lo = builder.and_(w, m15)
+                                hi = builder.and_(builder.lshr(w, sh4), m15)
+                                if q5:
+                                    lo = builder.or_(lo, hbit(jj))
+                                    hi = builder.or_(hi, hbit(4 + jj))
+                                if nl:
+                                    lo, hi = _lut16(builder, lo, KVALUES_IQ4NL), _lut16(builder, hi, KVALUES_IQ4NL)
+                                ws += [lo, hi]
+                            else:
+                                ws.append(w)
+                        d = _halves(builder, scp, builder.add(sb, _c(L * k)))
+                        if hasm:
+                            m = _halves(builder, scp, builder.add(sb, _c(R + L * k)))
+                        for n in ns:
+                            a = _bdot(builder, list(zip(ws, xs[n])), 31 if q5 else 15, signed=nl or not q4)
+                            if z:
+                                a = builder.sub(a, zxs[n])
+                            s = builder.fadd(builder.load(sums[n][k]),
+                                             builder.fmul(builder.fmul(d, xdb[n]), builder.sitofp(a, _vec(F32, L))))
+                            if hasm:
+                                s = builder.fadd(s, builder.fmul(m, xfb[n]))
+                            builder.store(s, sums[n][k])
+                for n in ns:
+                    _store_out(builder, outp[n], sums[n])
             return context.get_dummy_value()
         return types.void(qt, sc, xq, xd, xa, nb, out), codegen
-    typer.__name__ = "dot_tile_" + fmt
+    typer.__name__ = "dot_tile_" + fmt + (f"_x{nt}" if nt > 1 else "")
     return typer
 
 
@@ -344,9 +369,9 @@ def _pick(typingctx, typers, kind, args):
     return types.void(kind, *args), codegen
 
 
-def dot_tile_by(fmts):
-    """Intrinsic (kind, qt, sc, xq, xd, xs, nb, out): dot_tile_<fmts[kind]>(qt, ...)."""
-    typers = {k: _tile_dot(f) for k, f in fmts.items()}
+def dot_tile_by(fmts, nt=1):
+    """Intrinsic (kind, qt, sc, xq, xd, xs, nb, out): dot_tile_<fmts[kind]>(qt, ...) for nt tokens."""
+    typers = {k: _tile_dot(f, nt) for k, f in fmts.items()}
 
     def typer(typingctx, kind, qt, sc, xq, xd, xa, nb, out):
         return _pick(typingctx, typers, kind, (qt, sc, xq, xd, xa, nb, out))
@@ -409,6 +434,7 @@ def _ktile_typer(fmt, nt):
     lb, hi, sco, z = _KFMT[fmt]
     umax = (1 << (lb + (hi[0] if hi else 0))) - 1
     nd = 1 if nt == 1 else 2
+    tb = nt if fmt in TOKEN_BLOCK else 1
 
     def typer(typingctx, qt, xq, xd, xb, nsb, out):
         if not (_arr(qt, types.uint8) and _arr(xq, types.int8) and _arr(xd, types.float32)
@@ -442,65 +468,66 @@ def _ktile_typer(fmt, nt):
             def xsum(n, b, h):                 # splat of token n's xb[16b + h]
                 return _splat(builder, _ld(builder, xbp[n], builder.add(builder.mul(b, _c(16)), _c(h)), I32, 4), L)
 
-            sums = [cgutils.alloca_once_value(builder, ir.Constant(_vec(F32, L), [0.0] * L)) for _ in range(nt)]
-            with cgutils.for_range(builder, nv) as loop:
-                b = loop.index
-                base = builder.mul(b, _c(SB * R))
-                xb0 = builder.mul(b, _c(256))
-                if KPF_AHEAD:                    # the super-block KPF_AHEAD ahead (past the tile: the next one's)
-                    for o in range(0, SB * R, 64):
-                        _prefetch(builder, qtp, builder.add(base, _c(KPF_AHEAD * SB * R + o)), PF_LOCALITY)
-                isum = [ci(0)] * nt
-                msum = [ci(0)] * nt
-                for t in range(8):
-                    us = []
-                    for jj in range(8):
-                        u = bits(base, 32 * (t * lb // 8) + 4 * jj, lb, t)
-                        if hi:
-                            hb, ho = hi
-                            h = bits(base, ho + 32 * (t * hb // 8) + 4 * jj, hb, t)
-                            u = builder.or_(u, builder.shl(h, cb(lb)))
-                        us.append(u)
-                    if sco is None:                # 6-bit sc, m per sub-block of 32
-                        sc = builder.zext(row_bytes(base, SB - 20 + t), vi)
-                        mn = builder.zext(row_bytes(base, SB - 12 + t), vi)
-                        for n in range(nt):
-                            xs = [_bcast4(builder, xqp[n], builder.add(xb0, _c(32 * t + 4 * jj))) for jj in range(8)]
-                            isum[n] = builder.add(isum[n], _bdot(builder, list(zip(us, xs)), umax, sc))
-                            msum[n] = builder.add(msum[n], builder.mul(mn, builder.add(xsum(n, b, 2 * t),
-                                                                                       xsum(n, b, 2 * t + 1))))
-                        continue
-                    for half in range(2):          # a scale per sub-block of 16
-                        h = 2 * t + half
-                        if z:                      # signed scale; the offset z is taken off once per super-block
-                            sc = builder.sext(row_bytes(base, sco + h), vi)
-                            mn = sc
-                        else:                      # Q2_K: scale | min << 4
-                            s8 = builder.zext(row_bytes(base, sco + h), vi)
-                            sc = builder.and_(s8, ci(15))
-                            mn = builder.lshr(s8, ci(4))
-                        for n in range(nt):
-                            xs = [_bcast4(builder, xqp[n], builder.add(xb0, _c(32 * t + 4 * jj)))
-                                  for jj in range(4 * half, 4 * half + 4)]
-                            isum[n] = builder.add(isum[n], _bdot(builder, list(zip(us[4 * half:4 * half + 4], xs)),
-                                                                 umax, sc))
-                            msum[n] = builder.add(msum[n], builder.mul(mn, xsum(n, b, h)))
-                hp = builder.bitcast(qtp, I16.as_pointer())
-                hb_ = builder.mul(b, _c(SB * R // 2))
-                d = _halves(builder, hp, builder.add(hb_, _c((SB - 2 if z else SB - 4) * R // 2)))
-                if not z:
-                    dmin = _halves(builder, hp, builder.add(hb_, _c((SB - 2) * R // 2)))
-                for n in range(nt):
-                    xdb = _splat(builder, _ld(builder, xdp[n], b, F32, 4), L)
-                    if z:
-                        v = builder.fmul(d, builder.sitofp(builder.sub(isum[n], builder.mul(msum[n], ci(z))),
-                                                           _vec(F32, L)))
-                    else:
-                        v = builder.fsub(builder.fmul(d, builder.sitofp(isum[n], _vec(F32, L))),
-                                         builder.fmul(dmin, builder.sitofp(msum[n], _vec(F32, L))))
-                    builder.store(builder.fadd(builder.load(sums[n]), builder.fmul(xdb, v)), sums[n])
-            for n in range(nt):
-                _store_out(builder, outp[n], sums[n:n + 1])
+            for ns in _passes(nt, tb):          # token groups whose weights are unpacked once
+                sums = {n: cgutils.alloca_once_value(builder, ir.Constant(_vec(F32, L), [0.0] * L)) for n in ns}
+                with cgutils.for_range(builder, nv) as loop:
+                    b = loop.index
+                    base = builder.mul(b, _c(SB * R))
+                    xb0 = builder.mul(b, _c(256))
+                    if KPF_AHEAD:                    # the super-block KPF_AHEAD ahead (past the tile: the next one's)
+                        for o in range(0, SB * R, 64):
+                            _prefetch(builder, qtp, builder.add(base, _c(KPF_AHEAD * SB * R + o)), PF_LOCALITY)
+                    isum = [ci(0)] * nt
+                    msum = [ci(0)] * nt
+                    for t in range(8):
+                        us = []
+                        for jj in range(8):
+                            u = bits(base, 32 * (t * lb // 8) + 4 * jj, lb, t)
+                            if hi:
+                                hb, ho = hi
+                                h = bits(base, ho + 32 * (t * hb // 8) + 4 * jj, hb, t)
+                                u = builder.or_(u, builder.shl(h, cb(lb)))
+                            us.append(u)
+                        if sco is None:                # 6-bit sc, m per sub-block of 32
+                            sc = builder.zext(row_bytes(base, SB - 20 + t), vi)
+                            mn = builder.zext(row_bytes(base, SB - 12 + t), vi)
+                            for n in ns:
+                                xs = [_bcast4(builder, xqp[n], builder.add(xb0, _c(32 * t + 4 * jj))) for jj in range(8)]
+                                isum[n] = builder.add(isum[n], _bdot(builder, list(zip(us, xs)), umax, sc))
+                                msum[n] = builder.add(msum[n], builder.mul(mn, builder.add(xsum(n, b, 2 * t),
+                                                                                           xsum(n, b, 2 * t + 1))))
+                            continue
+                        for half in range(2):          # a scale per sub-block of 16
+                            h = 2 * t + half
+                            if z:                      # signed scale; the offset z is taken off once per super-block
+                                sc = builder.sext(row_bytes(base, sco + h), vi)
+                                mn = sc
+                            else:                      # Q2_K: scale | min << 4
+                                s8 = builder.zext(row_bytes(base, sco + h), vi)
+                                sc = builder.and_(s8, ci(15))
+                                mn = builder.lshr(s8, ci(4))
+                            for n in ns:
+                                xs = [_bcast4(builder, xqp[n], builder.add(xb0, _c(32 * t + 4 * jj)))
+                                      for jj in range(4 * half, 4 * half + 4)]
+                                isum[n] = builder.add(isum[n], _bdot(builder, list(zip(us[4 * half:4 * half + 4], xs)),
+                                                                     umax, sc))
+                                msum[n] = builder.add(msum[n], builder.mul(mn, xsum(n, b, h)))
+                    hp = builder.bitcast(qtp, I16.as_pointer())
+                    hb_ = builder.mul(b, _c(SB * R // 2))
+                    d = _halves(builder, hp, builder.add(hb_, _c((SB - 2 if z else SB - 4) * R // 2)))
+                    if not z:
+                        dmin = _halves(builder, hp, builder.add(hb_, _c((SB - 2) * R // 2)))
+                    for n in ns:
+                        xdb = _splat(builder, _ld(builder, xdp[n], b, F32, 4), L)
+                        if z:
+                            v = builder.fmul(d, builder.sitofp(builder.sub(isum[n], builder.mul(msum[n], ci(z))),
+                                                               _vec(F32, L)))
+                        else:
+                            v = builder.fsub(builder.fmul(d, builder.sitofp(isum[n], _vec(F32, L))),
+                                             builder.fmul(dmin, builder.sitofp(msum[n], _vec(F32, L))))
+                        builder.store(builder.fadd(builder.load(sums[n]), builder.fmul(xdb, v)), sums[n])
+                for n in ns:
+                    _store_out(builder, outp[n], [sums[n]])
             return context.get_dummy_value()
         return types.void(qt, xq, xd, xb, nsb, out), codegen
     typer.__name__ = f"dot_ktile_{fmt}" + (f"_x{nt}" if nt > 1 else "")
