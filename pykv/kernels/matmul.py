@@ -279,65 +279,98 @@ def _act_set(x, T, X, XQ, XD, XS, XF):
 def quantize_act_q8(x, T, XQ, XD, XS, XF):
     """q8 blocks of x[:T] (the one activation quantizer; llama.cpp's q8_0 / q8_1 scheme): XQ int8 codes,
     XD scales amax / 127, XS int code sums, XF float sums."""
-    nb = XD.shape[1]
-    if nb == 0:
-        return
     for t in range(T):
-        for b in range(nb):
-            sf = np.float32(0.0)
-            for j in range(32):
-                sf += x[t, 32 * b + j]
-            XF[t, b] = sf
-            amax = np.float32(0.0)
-            for j in range(32):
-                a = abs(x[t, 32 * b + j])
-                if a > amax:
-                    amax = a
-            d = amax / np.float32(127.0)
-            idd = np.float32(1.0) / d if d != 0 else np.float32(0.0)
-            s = 0
-            for j in range(32):
-                v = x[t, 32 * b + j] * idd
-                # roundf: half away from zero
-                q = np.int32(np.floor(abs(v) + np.float32(0.5)))
-                if v < 0:
-                    q = -q
-                XQ[t, 32 * b + j] = q
-                s += q
-            XD[t, b] = d
-            XS[t, b] = s
+        _q8_row(x, t, XQ, XD, XS, XF)
+
+
+@njit(cache=True, nogil=True, fastmath=_FM, inline="always")
+def _q8_row(x, t, XQ, XD, XS, XF):
+    """quantize_act_q8 of token t."""
+    for b in range(XD.shape[1]):
+        sf = np.float32(0.0)
+        for j in range(32):
+            sf += x[t, 32 * b + j]
+        XF[t, b] = sf
+        amax = np.float32(0.0)
+        for j in range(32):
+            a = abs(x[t, 32 * b + j])
+            if a > amax:
+                amax = a
+        d = amax / np.float32(127.0)
+        idd = np.float32(1.0) / d if d != 0 else np.float32(0.0)
+        s = 0
+        for j in range(32):
+            v = x[t, 32 * b + j] * idd
+            # roundf: half away from zero
+            q = np.int32(np.floor(abs(v) + np.float32(0.5)))
+            if v < 0:
+                q = -q
+            XQ[t, 32 * b + j] = q
+            s += q
+        XD[t, b] = d
+        XS[t, b] = s
 
 
 @njit(cache=True, nogil=True)
 def quantize_act_q8k(x, T, XQ, XD, XB):
     """llama.cpp's q8_K blocks of x[:T] (quantize_row_q8_K_ref): per 256 values d = -max / 127 where max is
     the value of largest magnitude, q = rint(x / d) capped at 127; XB int sums of each 16 codes."""
-    nsb = XD.shape[1]
     for t in range(T):
-        for b in range(nsb):
-            amax = np.float32(0.0)
-            mx = np.float32(0.0)
+        _q8k_row(x, t, XQ, XD, XB)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _q8k_row(x, t, XQ, XD, XB):
+    """quantize_act_q8k of token t."""
+    for b in range(XD.shape[1]):
+        amax = np.float32(0.0)
+        for j in range(256):
+            a = abs(x[t, 256 * b + j])
+            if a > amax:
+                amax = a
+        if amax == 0:
+            XD[t, b] = 0.0
             for j in range(256):
-                v = x[t, 256 * b + j]
-                if abs(v) > amax:
-                    amax = abs(v)
-                    mx = v
-            if amax == 0:
-                XD[t, b] = 0.0
-                for j in range(256):
-                    XQ[t, 256 * b + j] = 0
-                for h in range(16):
-                    XB[t, 16 * b + h] = 0
-                continue
-            iscale = np.float32(-127.0) / mx
+                XQ[t, 256 * b + j] = 0
             for h in range(16):
-                s = 0
-                for j in range(16 * h, 16 * h + 16):
-                    q = min(127, np.int32(np.rint(iscale * x[t, 256 * b + j])))
-                    XQ[t, 256 * b + j] = q
-                    s += q
-                XB[t, 16 * b + h] = s
-            XD[t, b] = np.float32(1.0) / iscale
+                XB[t, 16 * b + h] = 0
+            continue
+        mx = np.float32(0.0)
+        for j in range(256):              # the first value of that magnitude (ggml keeps the first)
+            v = x[t, 256 * b + j]
+            if abs(v) == amax:
+                mx = v
+                break
+        iscale = np.float32(-127.0) / mx
+        for h in range(16):
+            s = 0
+            for j in range(16 * h, 16 * h + 16):
+                q = min(127, np.int32(np.rint(iscale * x[t, 256 * b + j])))
+                XQ[t, 256 * b + j] = q
+                s += q
+            XB[t, 16 * b + h] = s
+        XD[t, b] = np.float32(1.0) / iscale
+
+
+_PAR_QUANT_T = 8    # a kernel quantizes its activations in a parallel region from this many tokens
+
+
+@njit(cache=True, nogil=True, parallel=True, fastmath=_FM, inline="always")
+def _quantize_tokens(k, x, T, XQ, XD, XS, XF):
+    """Inside a parallel tile kernel: its activations' q8_0 (k False: XQ, XD, XS, XF) or q8_K (k True:
+    XQ, XD, XS as XB) blocks, one token a work item from _PAR_QUANT_T tokens (prefill), else serially."""
+    if T < _PAR_QUANT_T:
+        for t in range(T):
+            if k:
+                _q8k_row(x, t, XQ, XD, XS)
+            else:
+                _q8_row(x, t, XQ, XD, XS, XF)
+    else:
+        for t in prange(T):
+            if k:
+                _q8k_row(x, t, XQ, XD, XS)
+            else:
+                _q8_row(x, t, XQ, XD, XS, XF)
 
 
 @njit(cache=True, nogil=True, fastmath=_FM)
@@ -657,7 +690,7 @@ def _mm_itile(kind, quant, qt, sc, rows, T, X, XQ, XD, XS, XF, tail, out):
     """Q4 / Q5 / Q8 integer tiles; kind (_KIND_ITILE_*) is a compile-time literal."""
     literally(kind)
     if quant:
-        quantize_act_q8(X, T, XQ, XD, XS, XF)
+        _quantize_tokens(False, X, T, XQ, XD, XS, XF)
     nt, nb, R = qt.shape[0], qt.shape[1], qt.shape[3]
     ntb = (T + _ITILE_TB - 1) // _ITILE_TB
     for it in prange(nt * ntb):
@@ -682,7 +715,7 @@ def _mm_itile_3(ka, kb, kc, quant, qa, sa, oa, qb, sb, ob, qc, sc, oc, T, X, XQ,
     literally(kb)
     literally(kc)
     if quant:
-        quantize_act_q8(X, T, XQ, XD, XS, XF)
+        _quantize_tokens(False, X, T, XQ, XD, XS, XF)
     na, nb_ = qa.shape[0], qb.shape[0]
     nblk, R = qa.shape[1], qa.shape[3]
     ntb = (T + _ITILE_TB - 1) // _ITILE_TB
@@ -706,7 +739,7 @@ def _mm_ktile(gt, quant, qt, rows, T, X, XQ, XD, XB, tail, out):
     a model compiles only the types it has.  Full tiles take _TOK_NT tokens a call (as _itile_tokens)."""
     literally(gt)
     if quant:
-        quantize_act_q8k(X, T, XQ, XD, XB)
+        _quantize_tokens(True, X, T, XQ, XD, XB, XD)
     nt, nsb, R = qt.shape[0], XD.shape[1], KTILE_ROWS
     ntb = (T + _ITILE_TB - 1) // _ITILE_TB
     for it in prange(nt * ntb):
