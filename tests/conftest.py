@@ -7,6 +7,11 @@ if os.environ.get("PYKV_REAL_GPU") != "1":       # CUDA kernels run on numba's s
     # interval lets them reach it sooner (the simulated kernel tests ran about 2x faster)
     sys.setswitchinterval(1e-4)
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # two test processes on two cores: OpenMP threads that spin-wait between parallel regions would
+    # keep a core from the other process; passive waiting costs a little per region, no test times it
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 from pathlib import Path
 
 import numpy as np

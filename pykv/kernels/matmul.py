@@ -40,8 +40,9 @@ classes, chosen by what Numba compiles for), repacked at load:
     one row, against q8_0 activations (llama.cpp's exact q4_0 ... q8_0, iq4_nl x q8 dot products).
   * Q2_K / Q3_K / Q4_K / Q5_K / Q6_K: tiles of KTILE_ROWS rows per 256-column super-block, against q8_K
     activations (scales unpacked at load to a byte per sub-block and row).
-  One kernel per family serves decode and prefill (work items: tile x 16 tokens); each call quantizes
-  its activation rows first unless the Act holds them.  Measured on SmolLM2 (2 threads, Zen 5, AVX-512
+  One kernel per family serves decode and prefill (work items: tile x 16 tokens; a full tile takes 4
+  of them a call, kernels.tiles.TOKEN_BLOCK); each call quantizes its activation rows first unless the
+  Act holds them (serially for a few tokens, from 8 tokens in a parallel region).  Measured on SmolLM2 (2 threads, Zen 5, AVX-512
   VNNI): decode 35 GB/s of weights from DRAM (2.9x the float tiles), prefill 3.9x dequantize + sgemm.
   Any weight with a non-finite f16 scale runs the generic per-row q8 kernel.
 With q8_act=False, Q4_0 / Q4_1 / Q8_0 use float-activation tiles (vectorized across rows); prefill

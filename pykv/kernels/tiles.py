@@ -19,6 +19,9 @@ Two tile families (layouts below, `repack_*` build them from ggml rows):
     of 32 (TILE_ROWS rows).
   * dot_ktile (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K): against q8_K activation blocks of 256 with int sums per 16
     (llama.cpp's q8_K), KTILE_ROWS = L rows: each row's dot equals llama.cpp's vec_dot_qX_K_q8_K.
+Each has an nt-token form for prefill (_tile_dot(fmt, nt), _ktile_dot(fmt, nt); 2-D activations and
+output): the formats in TOKEN_BLOCK unpack each weight vector once for the nt tokens, the others loop
+over the tokens in IR.  Both give the one-token dot bit for bit.
 """
 import subprocess
 import sys
@@ -197,11 +200,6 @@ def _lut16(builder, idx, table):
 TOKEN_BLOCK = {"avx2": ("q40", "q50", "q5", "q2k", "q3k", "q5k", "q6k")}.get(ISA, ())
 
 
-def _passes(nt, tb):
-    """Token indices 0..nt-1 in groups of tb (each group: one pass over the weights)."""
-    return [list(range(i, min(nt, i + tb))) for i in range(0, nt, tb)]
-
-
 # ----------------------------------------------------------------------------------------------------
 # tile kernels (intrinsics).  No bounds checks: callers pass whole tiles.
 # ----------------------------------------------------------------------------------------------------
@@ -270,15 +268,14 @@ def _tile_dot(fmt, nt=1):
 
         def codegen(context, builder, sig, args):
             qtp, scp = (_data(context, builder, sig.args[i], args[i]) for i in range(2))
-            xqp, xdp, xap = (_row_ptrs(context, builder, sig.args[i], args[i], nt) for i in range(2, 5))
+            rows = [_row_ptr(context, builder, sig.args[i], args[i]) for i in (2, 3, 4, 6)]
             nbv = context.cast(builder, args[5], sig.args[5], types.int64)
-            outp = _row_ptrs(context, builder, sig.args[6], args[6], nt)
             R = TILE_ROWS
             n4 = 4 * L
             vi = _vec(I32, L)
             m15 = ir.Constant(_vec(I8, n4), [15] * n4)
             sh4 = ir.Constant(_vec(I8, n4), [4] * n4)
-            for ns in _passes(nt, tb):          # token groups whose weights are unpacked once
+            for ns, (xqp, xdp, xap, outp) in _groups(builder, rows, nt, tb):   # weights unpacked once a pass
                 sums = {n: [cgutils.alloca_once_value(builder, ir.Constant(_vec(F32, L), [0.0] * L))
                             for _ in range(G)] for n in ns}
                 with cgutils.for_range(builder, nbv) as loop:
@@ -416,14 +413,26 @@ _KFMT = {"q2k": (2, None, 64, 0), "q3k": (2, (1, 64), 96, 4), "q4k": (4, None, N
          "q5k": (4, (1, 128), None, 0), "q6k": (4, (2, 128), 192, 32)}
 
 
-def _row_ptrs(context, builder, aty, arr, nt):
-    """Data pointers of rows 0..nt-1 of a 2-D array value (a 1-D array: its one data pointer)."""
+def _row_ptr(context, builder, aty, arr):
+    """f(n) -> the data pointer of row n (an i64 value) of a 2-D array value (1-D: its data pointer)."""
     a = context.make_array(aty)(context, builder, arr)
     if aty.ndim == 1:
-        return [a.data]
+        return lambda n: a.data
     stride = cgutils.unpack_tuple(builder, a.strides, 2)[0]           # bytes
     base = builder.bitcast(a.data, I8.as_pointer())
-    return [builder.bitcast(builder.gep(base, [builder.mul(stride, _c(n))]), a.data.type) for n in range(nt)]
+    return lambda n: builder.bitcast(builder.gep(base, [builder.mul(stride, n)]), a.data.type)
+
+
+def _groups(builder, rows, nt, tb):
+    """The passes of an nt-token tile call over its weights: (token indices, each array's row pointers
+    for them).  tb == nt: one pass for all nt tokens (the weights unpacked once); tb == 1: an IR loop
+    over the tokens, one per pass (the one-token code once, not nt copies of it)."""
+    assert tb in (1, nt), (tb, nt)
+    if tb == nt:
+        yield list(range(nt)), [[f(_c(n)) for n in range(nt)] for f in rows]
+    else:
+        with cgutils.for_range(builder, _c(nt)) as loop:
+            yield [0], [[f(loop.index)] for f in rows]
 
 
 def _ktile_typer(fmt, nt):
@@ -444,9 +453,8 @@ def _ktile_typer(fmt, nt):
 
         def codegen(context, builder, sig, args):
             qtp = _data(context, builder, sig.args[0], args[0])
-            xqp, xdp, xbp = (_row_ptrs(context, builder, sig.args[i], args[i], nt) for i in range(1, 4))
+            rows = [_row_ptr(context, builder, sig.args[i], args[i]) for i in (1, 2, 3, 5)]
             nv = context.cast(builder, args[4], sig.args[4], types.int64)
-            outp = _row_ptrs(context, builder, sig.args[5], args[5], nt)
             R = L
             n4 = 4 * L
             vi, vb = _vec(I32, L), _vec(I8, n4)
@@ -468,7 +476,7 @@ def _ktile_typer(fmt, nt):
             def xsum(n, b, h):                 # splat of token n's xb[16b + h]
                 return _splat(builder, _ld(builder, xbp[n], builder.add(builder.mul(b, _c(16)), _c(h)), I32, 4), L)
 
-            for ns in _passes(nt, tb):          # token groups whose weights are unpacked once
+            for ns, (xqp, xdp, xbp, outp) in _groups(builder, rows, nt, tb):   # weights unpacked once a pass
                 sums = {n: cgutils.alloca_once_value(builder, ir.Constant(_vec(F32, L), [0.0] * L)) for n in ns}
                 with cgutils.for_range(builder, nv) as loop:
                     b = loop.index
