@@ -161,6 +161,12 @@ class KVCache:
         self.ring = (KIVI_WINDOW + 1) * self.P   # residual rows per KV head: a ring of whole pages
         self._dummy_res = be.zeros((KVH, self.ring, 2 * HD), np.uint8)
         self._dummy_sink = be.zeros((KVH, self.NS, 2 * HD), np.uint8)
+        # attend's "no pre-RoPE transform" arguments (kx with no rows), made once, not per layer call
+        self._no_kx = ((np.zeros((0, HD), np.float32), np.zeros((1, 1), np.float32), np.zeros((1, 1), np.float32))
+                       if be.name == "cpu" else (None, None, None))
+        # decode steps with at most this many (keys x KV heads) run attention on the calling thread
+        # (the CPU kernel's SERIAL_KEYS; a device backend has none)
+        self._serial_keys = getattr(be.attention, "SERIAL_KEYS", 0)
         self._tmp = be.zeros((KVH, self.P, HD), np.float32)
         self._stage = {}     # "k"|"v" -> f16 rows (KVH, W + T, 2*HD) of a prefill batch and its window
 
@@ -195,9 +201,7 @@ class KVCache:
         """attend's pre-RoPE key transform for layer li: (kx, cos, sin); kx has no rows when the
         layer's keys are stored after RoPE (None on a device backend)."""
         if not self.k_pre[li]:
-            if self.be.name != "cpu":
-                return None, None, None
-            return np.zeros((0, self.cfg.head_dim), np.float32), np.zeros((1, 1), np.float32), np.zeros((1, 1), np.float32)
+            return self._no_kx
         cos, sin, sign = self.k_rope
         rows = [seq.k_shift[li], seq.k_scale[li]] + ([sign[None]] if sign is not None else [])
         return np.ascontiguousarray(np.concatenate(rows), np.float32), cos, sin
@@ -501,7 +505,7 @@ class KVCache:
         CHUNKS_PER_THREAD chunks per thread over the KV heads so every core works on it; prefill
         already has many query blocks, so one chunk."""
         P, KVH = self.P, self.cfg.n_kv_heads
-        if T > 1:
+        if T > 1 or n_tot * KVH <= self._serial_keys:   # one chunk: a serial decode step splits for nothing
             return P * -(-n_tot // P)
         want = max(1, (CHUNKS_PER_THREAD * threads) // KVH)
         return P * max(1, -(-n_tot // (P * want)))

@@ -114,6 +114,28 @@ class RunState:
         G = H // KVH
         # attention partials: (T, KVH, C, G, HD + 2), sized for the larger of prefill (C=1) and decode
         self.part = z(max(B, n_chunks) * KVH * G * (HD + 2))
+        self._shape = (H, KVH, HD)
+        self._views = {}
+
+    def views(self, T: int) -> "Views":
+        """The buffers' first T rows (made once per T: a decode step reuses them every layer)."""
+        v = self._views.get(T)
+        if v is None:
+            v = self._views[T] = Views(self, T)
+        return v
+
+
+class Views:
+    """RunState's rows for T tokens; q3, k3, v3, att3: q, k, v, att as (T, heads, HD)."""
+
+    __slots__ = ("x", "q", "k", "v", "q3", "k3", "v3", "att3", "o", "g", "u")
+
+    def __init__(self, st: RunState, T: int):
+        H, KVH, HD = st._shape
+        self.x, self.q, self.k, self.v, self.o, self.g, self.u = (a[:T] for a in (st.x, st.q, st.k, st.v, st.o,
+                                                                                 st.g, st.u))
+        self.q3, self.k3, self.v3 = self.q.reshape(T, H, HD), self.k.reshape(T, KVH, HD), self.v.reshape(T, KVH, HD)
+        self.att3 = st.att[:T].reshape(T, H, HD)
 
 
 class Model:
@@ -159,6 +181,7 @@ class Model:
                          "k_prerope": kv_prerope, "max_seqs": max_seqs, "kv_window": kv_window, "kv_sinks": kv_sinks,
                          "kv_window_type": kv_window_type}
         self.n_batch = int(n_batch)
+        self._bound = {}     # layer -> its decode products bound to the run state (_bound_calls)
         self.max_chunks = 8 * self.be.max_workers + 2
         self.state = RunState(cfg, self.n_batch, self.max_chunks, self.be)
         cos, sin = rope_tables(self.n_ctx, cfg.rope_dims, cfg.rope_base, cfg.rope_freq_scale,
@@ -221,19 +244,22 @@ class Model:
         return self.cache.bytes_per_token()
 
     # ---- forward -----------------------------------------------------------------------------
-    def _layer(self, li: int, seq: Sequence, T: int) -> None:
+    def _layer(self, li: int, seq: Sequence, T: int, chunk: int = 0) -> None:
+        """Layer li for T tokens at seq.n_tokens..; chunk: attention's keys per work item (0: picked
+        here; _batch picks it once for all layers)."""
         cfg, st, lw, cache = self.config, self.state, self.weights.layers[li], self.cache
-        ops, mm = self.be.ops, self.be.matmul
+        ops = self.be.ops
         H, KVH, HD = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        x, ad, af = st.x[:T], st.act_d, st.act_ff
+        vw, ad, af = st.views(T), st.act_d, st.act_ff
+        x, o = vw.x, vw.o
+        mq, mo, mgu, mdown = self._bound_calls(li, T, vw)
         if li == 0:
             ops.rmsnorm_act(x, lw.attn_norm, cfg.norm_eps, ad.x, ad.xf)
         else:   # the previous layer's FFN output is still in st.o: x += o and the norm in one call
-            ops.add_rmsnorm_act(x, st.o[:T], lw.attn_norm, cfg.norm_eps, ad.x, ad.xf)
+            ops.add_rmsnorm_act(x, o, lw.attn_norm, cfg.norm_eps, ad.x, ad.xf)
         ad.mark(T)
-        q, k, v = st.q[:T], st.k[:T], st.v[:T]
-        mm.matmul_fused(lw.qkv, ad, (q, k, v))
-        q3, k3, v3 = q.reshape(T, H, HD), k.reshape(T, KVH, HD), v.reshape(T, KVH, HD)
+        mq()                                # q, k, v = x @ (wq, wk, wv)
+        q3, k3, v3 = vw.q3, vw.k3, vw.v3
         n_past = seq.n_tokens
         smooth = cache.k_smooth[li]
         if cache.k_pre[li]:      # keys stored before RoPE (attention ropes them): plain roped queries
@@ -256,24 +282,35 @@ class Model:
                 ops.key_xform(q3, k3, *cache.k_xf[li])
         cache.append(li, seq, k3, v3)
         n_tot = n_past + T
-        chunk = cache.chunk_for(n_tot, T, self.be.workers())
+        chunk = chunk or cache.chunk_for(n_tot, T, self.be.workers())
         C = -(-n_tot // chunk)
         part = st.part[:T * KVH * C * (H // KVH) * (HD + 2)].reshape(T, KVH, C, H // KVH, HD + 2)
-        att3 = st.att[:T].reshape(T, H, HD)
+        att3 = vw.att3
         cache.attend(li, seq, q3, n_past, chunk, part, att3)
         ops.attn_out_act(att3, self.rot_sign, self.rotate, ad.x, ad.xf)
         ad.mark(T)
-        o = st.o[:T]
-        mm.matmul(lw.wo, ad, o)
+        mo()                                # o = att @ wo
         ops.add_rmsnorm_act(x, o, lw.ffn_norm, cfg.norm_eps, ad.x, ad.xf)
         ad.mark(T)
-        mm.matmul_fused(lw.gate_up, ad, (st.g[:T], st.u[:T]))
-        ops.swiglu_act(st.g[:T], st.u[:T], af.x, af.xf)
+        mgu()                               # g, u = x @ (w_gate, w_up)
+        ops.swiglu_act(vw.g, vw.u, af.x, af.xf)
         af.mark(T)
-        mm.matmul(lw.w_down, af, o)
+        mdown()                             # o = swiglu @ w_down
         if li == cfg.n_layers - 1:
             ops.add_inplace(x, o)
         # else: the next layer's add_rmsnorm_act adds o to x
+
+    def _bound_calls(self, li: int, T: int, vw: Views):
+        """Layer li's four products (Q/K/V, output, gate/up, down) for T tokens as the backend's bound
+        calls (matmul.bind): kept for decode (T == 1), where their Python is a share of each token."""
+        c = self._bound.get(li) if T == 1 else None
+        if c is None:
+            lw, st, bind = self.weights.layers[li], self.state, self.be.matmul.bind
+            c = (bind(lw.qkv, st.act_d, (vw.q, vw.k, vw.v), T), bind(lw.wo, st.act_d, vw.o, T),
+                 bind(lw.gate_up, st.act_d, (vw.g, vw.u), T), bind(lw.w_down, st.act_ff, vw.o, T))
+            if T == 1:
+                self._bound[li] = c
+        return c
 
     def _batch(self, seq: Sequence, ids: np.ndarray, all_logits: bool, need_logits: bool = True):
         """Run T <= n_batch tokens at positions seq.n_tokens.. ; returns logits (T or 1, V) (a view),
@@ -282,8 +319,9 @@ class Model:
         ops, mm = self.be.ops, self.be.matmul
         self.cache.reserve(seq, T)
         mm.get_rows(w.token_embd, ids, st.x[:T])
+        chunk = self.cache.chunk_for(seq.n_tokens + T, T, self.be.workers())
         for li in range(self.config.n_layers):
-            self._layer(li, seq, T)
+            self._layer(li, seq, T, chunk)
         seq.n_tokens += T
         if not need_logits:
             return None

@@ -393,6 +393,62 @@ def test_fuse_plan_equals_separate_calls(T):
         M.matmul_fused(M.fuse(ws[:2]), act, [np.zeros((T, 3), np.float32)] * 2)
 
 
+def test_bound_calls_equal_matmul():
+    """matmul.bind (Model's decode products): every call, the first through matmul / matmul_fused and
+    later ones through the kept entry point, writes what matmul writes for the activation's current
+    values (fresh x each call: the activation is re-quantized), for single weights of each integer kind
+    (Q4_0 tiles, Q8_0 tiles, a Q6_K K-quant tile, F16) and a fused Q/K/V set; an act.T other than the
+    bound T, and exact mode, go back through matmul."""
+    rng = np.random.default_rng(41)
+    cols = 512
+    specs = [(GT.Q4_0, 64), (GT.Q8_0, 96), (GT.Q6_K, 64), (GT.F16, 40)]
+    ws = [M.prepare_weight(int(t), make_weight(t, rows, cols, rng)[0], rows, cols) for t, rows in specs]
+    fused = M.fuse([ws[0], ws[1], M.prepare_weight(int(GT.Q5_1), make_weight(GT.Q5_1, 64, cols, rng)[0], 64, cols)])
+    assert fused.ok == 1
+    act, ref_act = M.Act(cols, 4), M.Act(cols, 4)
+    bound = [(w, np.zeros((1, w.rows), np.float32)) for w in ws]
+    calls = [M.bind(w, act, o, 1) for w, o in bound]
+    fouts = tuple(np.zeros((1, w.rows), np.float32) for w in fused)
+    fcall = M.bind(fused, act, fouts, 1)
+    for rep in range(3):
+        x = rng.standard_normal((1, cols)).astype(np.float32) * np.float32(1 + 10 * rep)
+        ref_act.set(x)
+        for c, (w, o) in zip(calls, bound):
+            act.set(x)
+            o[:] = np.nan
+            c()
+            r = np.zeros_like(o)
+            M.matmul(w, ref_act, r)
+            assert np.array_equal(o, r), (w, rep)
+        act.set(x)
+        fcall()
+        for w, o in zip(fused, fouts):
+            r = np.zeros_like(o)
+            M.matmul(w, ref_act, r)
+            assert np.array_equal(o, r), (w, rep)
+    assert all(c.entry is not None for c in calls[:3]) and fcall.entry is not None and calls[3].entry is None
+    x2 = rng.standard_normal((2, cols)).astype(np.float32)      # another T: through matmul, both rows
+    act.set(x2)
+    ref_act.set(x2)
+    o2, r2 = np.full((2, ws[0].rows), np.nan, np.float32), np.zeros((2, ws[0].rows), np.float32)
+    b2 = M.bind(ws[0], act, o2, 1)
+    b2.entry = calls[0].entry                                   # even with an entry kept, T=2 goes to matmul
+    b2.lits, b2.rest, b2.k8 = calls[0].lits, calls[0].rest, False
+    b2()
+    M.matmul(ws[0], ref_act, r2)
+    assert np.array_equal(o2, r2)
+    M.set_exact(True)
+    try:
+        act.set(x2[:1])
+        ref_act.set(x2[:1])
+        o, r = bound[0][1], np.zeros((1, ws[0].rows), np.float32)
+        calls[0]()
+        M.matmul(ws[0], ref_act, r)
+        assert np.array_equal(o, r)
+    finally:
+        M.set_exact(False)
+
+
 @pytest.mark.parametrize("bad", [0x7C00, 0xFC00, 0x7E01], ids=["inf", "-inf", "nan"])
 @pytest.mark.parametrize("gt", [GT.Q8_0, GT.Q4_1, GT.Q4_0], ids=lambda t: t.name)
 def test_nonfinite_scale_keeps_generic_kernel(gt, bad):

@@ -15,6 +15,7 @@ quant helpers are the CPU module's own (_q3k_scale, _q23k_q, _k_scale_min), comp
 device from their Python source (a CUDA kernel cannot call a CPU @njit function)."""
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -25,7 +26,7 @@ from ..blocks import IQ4NL_F
 from ..matmul import BF16, F16, F32, IQ4_NL, Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q8_0, SUPPORTED_TYPES
 from . import SIM, WL, grid, warp_sums
 
-__all__ = ["Weight", "Act", "prepare_weight", "matmul", "matmul_fused", "fuse", "get_rows", "SUPPORTED_TYPES"]
+__all__ = ["Weight", "Act", "prepare_weight", "matmul", "matmul_fused", "fuse", "bind", "get_rows", "SUPPORTED_TYPES"]
 
 NW = 16 if SIM else 4    # warps (weight rows) per block; a warp: WL lanes (32 on a GPU, 2 simulated)
 TT = 8          # tokens per block
@@ -289,6 +290,14 @@ def matmul(w: Weight, act: Act, out) -> None:
 def fuse(ws) -> tuple:
     """The CPU twin prepares its one-region choice here; one launch needs nothing: the weights' tuple."""
     return tuple(ws)
+
+
+def bind(ws, act: Act, outs, T: int):
+    """The CPU twin's bound decode call; here one launch has no Python worth saving: matmul or
+    matmul_fused with these arguments (T: unused)."""
+    if isinstance(ws, Weight):
+        return functools.partial(matmul, ws, act, outs)
+    return functools.partial(matmul_fused, ws, act, outs)
 
 
 def matmul_fused(ws, act: Act, outs) -> None:
