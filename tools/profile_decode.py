@@ -43,15 +43,31 @@ def _label_matmul(acc, mm):
     def matmul(w, act, out):
         t0 = time.perf_counter()
         f0(w, act, out)
-        acc[f"matmul {M._GT(w.ggml_type).name} {w.rows}x{w.cols}"].append(time.perf_counter() - t0)
+        acc[_mm_label(w)].append(time.perf_counter() - t0)
 
     def fused(ws, act, outs):
         t0 = time.perf_counter()
         f1(ws, act, outs)
-        names = "+".join(f"{M._GT(w.ggml_type).name}" for w in ws)
-        acc[f"fused {names} {'/'.join(str(w.rows) for w in ws)}"].append(time.perf_counter() - t0)
+        acc[_mm_label(ws)].append(time.perf_counter() - t0)
     mm.matmul, mm.matmul_fused = matmul, fused
     return f0, f1
+
+
+def _mm_label(ws):
+    if isinstance(ws, M.Weight):
+        return f"matmul {M._GT(ws.ggml_type).name} {ws.rows}x{ws.cols}"
+    return f"fused {'+'.join(M._GT(w.ggml_type).name for w in ws)} {'/'.join(str(w.rows) for w in ws)}"
+
+
+def _timed_bound(b, acc):
+    """A decode product the model keeps bound (matmul.bind), timed under its matmul label."""
+    label = _mm_label(b.ws)
+
+    def g():
+        t0 = time.perf_counter()
+        b()
+        acc[label].append(time.perf_counter() - t0)
+    return g
 
 
 def prefill(model, seq, n, depth):
@@ -109,7 +125,10 @@ def main():
                                      "add_inplace", "rmsnorm")), (be.matmul, ("get_rows",)),
                            (model.cache, ("append", "attend"))):
             saved.append((mod, names, [_wrap(mod, nm, nm, acc) for nm in names]))
+        bound = model._bound          # decode's bound products (Model._bound_calls): timed copies
+        model._bound = {li: tuple(_timed_bound(b, acc) for b in c) for li, c in bound.items()}
         per = step()
+        model._bound = bound
         for mod, names, fs in saved:
             for nm, f in zip(names, fs):
                 if mod is model.cache:

@@ -402,10 +402,12 @@ PF_LOCALITY = 0    # weights are read once per token: non-temporal prefetches
 # Software prefetch of the weight stream helps where the hardware prefetcher lags (AVX2 Zen 3: 1 thread
 # Q4_K 6.2 -> 9.1 GB/s, Q6_K 3.0 -> 4.3) and hurts on the AVX-512 VNNI class's cores (Zen 4, 2 threads,
 # decode at depth 16 without / with it: Q4_0 4.78 / 5.42, Q4_1 5.0-5.5 / 5.8-5.9, Q4_K_M 6.2-6.8 / 7.7-8.3,
-# Q6_K 7.7-8.0 / 8.2-8.3 ms a token), so that class leaves it to the hardware.
+# Q6_K 7.7-8.0 / 8.2-8.3 ms a token), so that class leaves it to the hardware.  K tiles: 8 super-blocks
+# ahead (Zen 3, 2 threads, the Q6_K file's ffn_down in a decode token: 4 ahead 40-46 us a call, 8 ahead
+# 34.5-36, 16 ahead 41.5; Q4/Q5/Q8 tiles at 8192 bytes ahead instead of 4096: no clear change).
 _PF = ISA != "avx512vnni"
 PF_BYTES = 4096 if _PF else 0    # bytes ahead a Q4 / Q5 / Q8 tile prefetches its weights (0: none)
-KPF_AHEAD = 4 if _PF else 0      # super-blocks ahead a K tile prefetches (0: none)
+KPF_AHEAD = 8 if _PF else 0      # super-blocks ahead a K tile prefetches (0: none)
 
 # fmt -> (low bits per q in the qs plane @0, (high bits, their plane's offset) or None,
 #         offset of the per-16 scales (None: 6-bit sc / m per 32 at SB-20 / SB-12), offset z (q - z signed, no dmin))
