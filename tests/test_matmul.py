@@ -15,6 +15,15 @@ _K_SCALES = {GT.Q2_K: (80, 82), GT.Q3_K: (108,), GT.Q4_K: (0, 2), GT.Q5_K: (0, 2
 ROWS = 133     # > one row tile (64 / 128) and not a multiple of anything useful
 
 
+def _product(w, x):
+    """matmul(w, x) for float32 x (T, cols) through a fresh Act: the (T, w.rows) result (NaN-filled first)."""
+    act = M.Act(x.shape[1], x.shape[0])
+    act.set(x)
+    out = np.full((x.shape[0], w.rows), np.nan, np.float32)
+    M.matmul(w, act, out)
+    return out
+
+
 def _cols(t):
     return 768 if t in K_TYPES else 352     # 3 super-blocks / 11 blocks
 
@@ -218,10 +227,7 @@ def test_prefill_long_matches_rowwise():
         data, ref_w = make_weight(t, rows, cols, rng)
         w = M.prepare_weight(int(t), data, rows, cols)
         x = rng.standard_normal((T, cols)).astype(np.float32)
-        act = M.Act(cols, T)
-        act.set(x)
-        out = np.zeros((T, rows), np.float32)
-        M.matmul(w, act, out)
+        out = _product(w, x)
         assert_kernel_result(w, x, ref_w, out)
         # and each row equals the single-token call
         act1, out1 = M.Act(cols, 1), np.zeros((1, rows), np.float32)
@@ -248,10 +254,7 @@ def test_prefill_token_groups_equal_single_tokens(t, threads):
     assert w.kind in M._INT_KINDS
     x = rng.standard_normal((T, cols)).astype(np.float32)
     x[5] *= np.float32(30)
-    act = M.Act(cols, T)
-    act.set(x)
-    out = np.full((T, rows), np.nan, np.float32)
-    M.matmul(w, act, out)
+    out = _product(w, x)
     assert_kernel_result(w, x, ref_w, out)
     xr = q8_emulate(x, w.act_block)
     scale = np.abs(xr) @ np.abs(ref_w).T
@@ -468,10 +471,7 @@ def test_nonfinite_scale_keeps_generic_kernel(gt, bad):
         w = M.prepare_weight(int(gt), data, rows, cols, q8_act=q8_act)
         for T in (1, 20):         # decode and the prefill dispatch
             x = rng.standard_normal((T, cols)).astype(np.float32)
-            act = M.Act(cols, T)
-            act.set(x)
-            out = np.zeros((T, rows), np.float32)
-            M.matmul(w, act, out)
+            out = _product(w, x)
             assert not np.isfinite(out[:, 5]).any(), (w, out[:, 5])
             assert_kernel_result(w, x, ref_w[ok], out[:, ok])
 
@@ -540,10 +540,7 @@ def test_q23k_tiles_equal_llama_cpp_integer_dot(t, source, threads):
     assert w.kind == M._KIND_KTILE and w.act_block == 256, w
     x = rng.standard_normal((T, cols)).astype(np.float32)
     x[1] *= np.float32(40)
-    act = M.Act(cols, T)
-    act.set(x)
-    out = np.full((T, rows), np.nan, np.float32)
-    M.matmul(w, act, out)
+    out = _product(w, x)
     xq, xd, xb = np.zeros((T, cols), np.int8), np.zeros((T, cols // 256), np.float32), np.zeros((T, cols // 16), np.int32)
     M.quantize_act_q8k(x, T, xq, xd, xb)
     for i in range(T):
