@@ -1021,6 +1021,13 @@ class Act:
         self.T = int(T)
         self._q8_ok = self._q8k_ok = False
 
+    def _mark_quantized(self, k8: bool) -> None:
+        """An integer kernel just quantized x[:T] into the q8_K (k8) or q8_0 blocks."""
+        if k8:
+            self._q8k_ok = True
+        else:
+            self._q8_ok = True
+
     def _need_q8(self) -> None:
         """The q8 blocks (only the generic integer-dot kernels read them): computed on first use."""
         if not self._q8_ok:
@@ -1033,6 +1040,20 @@ def _check_out(w: Weight, T: int, out: np.ndarray) -> None:
             or not out.flags.c_contiguous):
         raise ValueError(f"matmul: out must be C-contiguous float32 (>={T}, {w.rows}), "
                          f"got {out.dtype}{tuple(out.shape)}")
+
+
+def _int_args(w: Weight, T: int, act: Act, out: np.ndarray):
+    """(kernel, literals, q8_K?, arguments after the quantize flag) of integer tile weight w for T tokens."""
+    if w.kind == _KIND_KTILE:
+        return _mm_ktile, (w.ggml_type,), True, (w.qt, w.rows, T, act.x, act.xqk, act.xdk, act.xbk, act._tail, out)
+    return _mm_itile, (w.kind,), False, (w.qt, w.sc, w.rows, T, act.x, act.xq, act.xd, act.xs, act.xf, act._tail, out)
+
+
+def _fused_args(f: "Fused", T: int, act: Act, outs) -> tuple:
+    """_mm_itile_3's arguments after the quantize flag, for a one-region Fused f (f.ok == 1)."""
+    a, b = f.ws[0], f.ws[1]
+    oc = outs[2] if len(f.ws) == 3 else outs[1]
+    return (a.qt, a.sc, outs[0], b.qt, b.sc, outs[1], f.cqt, f.csc, oc, T, act.x, act.xq, act.xd, act.xs, act.xf)
 
 
 def matmul(w: Weight, act: Act, out: np.ndarray) -> None:
@@ -1050,13 +1071,10 @@ def matmul(w: Weight, act: Act, out: np.ndarray) -> None:
         _mm_bf16(w.fw, T, act.x, out)
     elif _EXACT:
         _mm_exact(gt, w.raw, T, act.x, act._scratch, out)
-    elif w.kind == _KIND_KTILE:
-        _call_kind(_mm_ktile, gt, not act._q8k_ok, w.qt, w.rows, T, act.x, act.xqk, act.xdk, act.xbk, act._tail, out)
-        act._q8k_ok = True
     elif w.kind in _INT_KINDS:
-        _call_kind(_mm_itile, w.kind, not act._q8_ok, w.qt, w.sc, w.rows, T, act.x, act.xq, act.xd,
-                  act.xs, act.xf, act._tail, out)
-        act._q8_ok = True
+        disp, lits, k8, rest = _int_args(w, T, act, out)
+        _call_kind(disp, lits, not (act._q8k_ok if k8 else act._q8_ok), *rest)
+        act._mark_quantized(k8)
     elif T >= _BLAS_MIN_T and w.kind != _KIND_RAW:
         _matmul_blas(w, T, act.x, out)
     elif w.kind == _KIND_TILE_Q4:
@@ -1211,12 +1229,8 @@ def matmul_fused(ws, act: Act, outs) -> None:
         ws = f.ws
         for w, o in zip(ws, outs):
             _check_out(w, T, o)
-        a, b = ws[0], ws[1]
-        oa, ob = outs[0], outs[1]
-        oc = outs[2] if len(ws) == 3 else ob
         if f.ok == 1:
-            args = (not act._q8_ok, a.qt, a.sc, oa, b.qt, b.sc, ob, f.cqt, f.csc, oc, T, act.x, act.xq, act.xd,
-                    act.xs, act.xf)
+            args = (not act._q8_ok,) + _fused_args(f, T, act, outs)
             if f.entry is None:       # compiles or loads the specialization, then keeps its entry point
                 _call_kind(_mm_itile_3, f.kinds, *args)
                 f.entry = _SPECIALIZED.get((_mm_itile_3, f.kinds))
@@ -1224,7 +1238,9 @@ def matmul_fused(ws, act: Act, outs) -> None:
                 f.entry(*f.kinds, *args)
             act._q8_ok = True
         else:
-            _mm_tile_q4_3(a.qt, a.sc, oa, b.qt, b.sc, ob, f.cqt, f.csc, oc, T, act.x, act.xf)
+            a, b = ws[0], ws[1]
+            oc = outs[2] if len(ws) == 3 else outs[1]
+            _mm_tile_q4_3(a.qt, a.sc, outs[0], b.qt, b.sc, outs[1], f.cqt, f.csc, oc, T, act.x, act.xf)
         return
     for w, o in zip(f.ws, outs):
         matmul(w, act, o)
@@ -1253,35 +1269,21 @@ class Bound:
                 matmul_fused(self.ws, a, self.outs)
             if self.entry is None and not _EXACT and a.T == self.T:
                 self._resolve()
-        elif self.k8:
-            self.entry(*self.lits, not a._q8k_ok, *self.rest)
-            a._q8k_ok = True
         else:
-            self.entry(*self.lits, not a._q8_ok, *self.rest)
-            a._q8_ok = True
+            self.entry(*self.lits, not (a._q8k_ok if self.k8 else a._q8_ok), *self.rest)
+            a._mark_quantized(self.k8)
 
     def _resolve(self) -> None:
         """The entry point and arguments matmul / matmul_fused just used, where they used one of the
         literal-specialized integer kernels (else calls keep going through them)."""
-        a, T, w, out = self.act, self.T, self.ws, self.outs
-        self.k8 = False
+        a, T, w = self.act, self.T, self.ws
         if isinstance(w, Fused):
             if w.ok == 1 and w.cols == a.cols and w.entry is not None:
-                x, y = w.ws[0], w.ws[1]
-                oc = out[2] if len(w.ws) == 3 else out[1]
-                self.lits, self.entry = w.kinds, w.entry
-                self.rest = (x.qt, x.sc, out[0], y.qt, y.sc, out[1], w.cqt, w.csc, oc, T, a.x, a.xq, a.xd, a.xs, a.xf)
-            return
-        if not isinstance(w, Weight) or w.ggml_type in (F32, F16, BF16):
-            return
-        if w.kind == _KIND_KTILE:
-            self.lits, self.k8 = (w.ggml_type,), True
-            self.rest = (w.qt, w.rows, T, a.x, a.xqk, a.xdk, a.xbk, a._tail, out)
-            self.entry = _SPECIALIZED.get((_mm_ktile, self.lits))
-        elif w.kind in _INT_KINDS:
-            self.lits = (w.kind,)
-            self.rest = (w.qt, w.sc, w.rows, T, a.x, a.xq, a.xd, a.xs, a.xf, a._tail, out)
-            self.entry = _SPECIALIZED.get((_mm_itile, self.lits))
+                self.lits, self.k8, self.rest = w.kinds, False, _fused_args(w, T, a, self.outs)
+                self.entry = w.entry
+        elif w.ggml_type not in _FLOAT_TYPES and w.kind in _INT_KINDS:
+            disp, self.lits, self.k8, self.rest = _int_args(w, T, a, self.outs)
+            self.entry = _SPECIALIZED.get((disp, self.lits))
 
 
 def bind(ws, act: "Act", outs, T: int) -> Bound:
