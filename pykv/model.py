@@ -116,6 +116,18 @@ class RunState:
         self.part = z(max(B, n_chunks) * KVH * G * (HD + 2))
         self._shape = (H, KVH, HD)
         self._views = {}
+        self._parts = {}
+
+    def part_view(self, T: int, C: int) -> np.ndarray:
+        """part's first T * KVH * C * G * (HD + 2) floats as (T, KVH, C, G, HD + 2) (kept: every layer of
+        a batch asks for the same shape)."""
+        key = (T, C)
+        p = self._parts.get(key)
+        if p is None:
+            H, KVH, HD = self._shape
+            G = H // KVH
+            p = self._parts[key] = self.part[:T * KVH * C * G * (HD + 2)].reshape(T, KVH, C, G, HD + 2)
+        return p
 
     def views(self, T: int) -> "Views":
         """The buffers' first T rows (made once per T: a decode step reuses them every layer)."""
@@ -212,6 +224,7 @@ class Model:
             stats = kv_transform.calib_stats(self)
         self.cache = KVCache(self.config, self.n_ctx, kv_type_k, kv_type_v, backend=self.be, **self._kv_opts)
         self.rotate = self._rotate_default(kv_rotate)
+        self._chains = None    # the decode chains undo this cache's rotation (_decode_chains)
         self.cache.set_k_transform(self.cos, self.sin, self.rot_sign if self.rotate else None)
         if stats is not None:
             from . import kv_transform
@@ -244,21 +257,22 @@ class Model:
         return self.cache.bytes_per_token()
 
     # ---- forward -----------------------------------------------------------------------------
-    def _layer(self, li: int, seq: Sequence, T: int, chunk: int = 0) -> None:
+    def _layer(self, li: int, seq: Sequence, T: int, chunk: int = 0, chains=None) -> None:
         """Layer li for T tokens at seq.n_tokens..; chunk: attention's keys per work item (0: picked
-        here; _batch picks it once for all layers)."""
+        here; _batch picks it once for all layers).  chains (decode, _decode_chains): chains[li] ran
+        this layer's norm and Q/K/V products; chains[li + 1] runs everything after its attention."""
         cfg, st, lw, cache = self.config, self.state, self.weights.layers[li], self.cache
         ops = self.be.ops
-        H, KVH, HD = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         vw, ad, af = st.views(T), st.act_d, st.act_ff
         x, o = vw.x, vw.o
-        mq, mo, mgu, mdown = self._bound_calls(li, T, vw)
-        if li == 0:
-            ops.rmsnorm_act(x, lw.attn_norm, cfg.norm_eps, ad.x, ad.xf)
-        else:   # the previous layer's FFN output is still in st.o: x += o and the norm in one call
-            ops.add_rmsnorm_act(x, o, lw.attn_norm, cfg.norm_eps, ad.x, ad.xf)
-        ad.mark(T)
-        mq()                                # q, k, v = x @ (wq, wk, wv)
+        if chains is None:
+            mq, mo, mgu, mdown = self._bound_calls(li, T, vw)
+            if li == 0:
+                ops.rmsnorm_act(x, lw.attn_norm, cfg.norm_eps, ad.x, ad.xf)
+            else:   # the previous layer's FFN output is still in st.o: x += o and the norm in one call
+                ops.add_rmsnorm_act(x, o, lw.attn_norm, cfg.norm_eps, ad.x, ad.xf)
+            ad.mark(T)
+            mq()                            # q, k, v = x @ (wq, wk, wv)
         q3, k3, v3 = vw.q3, vw.k3, vw.v3
         n_past = seq.n_tokens
         smooth = cache.k_smooth[li]
@@ -283,10 +297,12 @@ class Model:
         cache.append(li, seq, k3, v3)
         n_tot = n_past + T
         chunk = chunk or cache.chunk_for(n_tot, T, self.be.workers())
-        C = -(-n_tot // chunk)
-        part = st.part[:T * KVH * C * (H // KVH) * (HD + 2)].reshape(T, KVH, C, H // KVH, HD + 2)
+        part = st.part_view(T, -(-n_tot // chunk))
         att3 = vw.att3
         cache.attend(li, seq, q3, n_past, chunk, part, att3)
+        if chains is not None:              # this layer's tail and the next layer's head, one region
+            chains[li + 1]()
+            return
         ops.attn_out_act(att3, self.rot_sign, self.rotate, ad.x, ad.xf)
         ad.mark(T)
         mo()                                # o = att @ wo
@@ -312,6 +328,27 @@ class Model:
                 self._bound[li] = c
         return c
 
+    def _decode_chains(self):
+        """The backend's chains (kernels.chain) of a one-token step, one per layer boundary: [0] the
+        first layer's norm and Q/K/V, [l + 1] layer l after its attention and layer l + 1's head;
+        None where the backend or a weight has none (each layer's calls then run one by one)."""
+        ch = self._chains
+        if ch is None:
+            cfg, lws, st, bind = self.config, self.weights.layers, self.state, self.be.chain.bind
+            L = cfg.n_layers
+            ch = []
+            for b in range(L + 1):
+                t, h = (lws[b - 1] if b else None), (lws[b] if b < L else None)
+                c = bind(None if t is None else (t.wo, t.w_gate, t.w_up, t.w_down, t.ffn_norm),
+                         None if h is None else (h.wq, h.wk, h.wv, h.attn_norm), st.views(1), st.act_d,
+                         st.act_ff, self.rot_sign, self.rotate, cfg.norm_eps)
+                if c is None:
+                    ch = False
+                    break
+                ch.append(c)
+            self._chains = ch
+        return ch if ch and self.be.chain.enabled() else None
+
     def _batch(self, seq: Sequence, ids: np.ndarray, all_logits: bool, need_logits: bool = True):
         """Run T <= n_batch tokens at positions seq.n_tokens.. ; returns logits (T or 1, V) (a view),
         or None when need_logits is False."""
@@ -320,8 +357,11 @@ class Model:
         self.cache.reserve(seq, T)
         mm.get_rows(w.token_embd, ids, st.x[:T])
         chunk = self.cache.chunk_for(seq.n_tokens + T, T, self.be.workers())
+        chains = self._decode_chains() if T == 1 else None
+        if chains is not None:
+            chains[0]()
         for li in range(self.config.n_layers):
-            self._layer(li, seq, T, chunk)
+            self._layer(li, seq, T, chunk, chains)
         seq.n_tokens += T
         if not need_logits:
             return None

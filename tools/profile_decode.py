@@ -10,6 +10,9 @@ the wrappers.  Timings include each call's Python dispatch and (for parallel ker
 --prefill N: the same split for one N-token prefill after the --depth tokens (in the model's n_batch chunks)
 instead of single-token decodes; per entry point: calls and milliseconds over the whole prefill.
 -ctk / -ctv: the KV cache's key / value types (the model default rotation: on for quantized types).
+A decode step runs each layer's products after its attention as one chain call (kernels.chain, where
+every weight is an integer tile type): those show as "chain ..." rows; --no-chain times the separate
+calls instead.
 """
 import argparse
 import collections
@@ -70,6 +73,18 @@ def _timed_bound(b, acc):
     return g
 
 
+def _timed_chain(c, i, n, acc):
+    """Decode chain i of n (kernels.chain), timed: the first runs the first layer's norm and Q/K/V, the
+    last the last layer's output and FFN, the others a layer's output and FFN plus the next one's Q/K/V."""
+    label = "chain: norm, q/k/v" if i == 0 else "chain: o, ffn" if i == n - 1 else "chain: o, ffn, next q/k/v"
+
+    def g():
+        t0 = time.perf_counter()
+        c()
+        acc[label].append(time.perf_counter() - t0)
+    return g
+
+
 def prefill(model, seq, n, depth):
     """Seconds for one n-token prefill after depth tokens, in chunks of the model's batch size."""
     seq.n_tokens = depth
@@ -99,10 +114,13 @@ def main():
     ap.add_argument("--prefill", type=int, default=0, help="profile one prefill of this many tokens instead")
     ap.add_argument("-ctk", default="f16", help="KV cache key type")
     ap.add_argument("-ctv", default="f16", help="KV cache value type")
+    ap.add_argument("--no-chain", action="store_true", help="decode through the separate calls, not kernels.chain")
     a = ap.parse_args()
     if a.prefill < 0 or a.tokens < 1 or a.depth < 0:
         ap.error("--prefill and --depth must be >= 0, --tokens >= 1")
     model = pykv.load(a.model, n_ctx=a.depth + max(a.tokens, a.prefill) + 8, kv_type_k=a.ctk, kv_type_v=a.ctv)
+    if a.no_chain:
+        model._chains = False           # Model._decode_chains: none
     seq = model.new_sequence()
     # seconds per unit (a decoded token, or the whole prefill) and the timed runs' units
     if a.prefill:
@@ -127,8 +145,11 @@ def main():
             saved.append((mod, names, [_wrap(mod, nm, nm, acc) for nm in names]))
         bound = model._bound          # decode's bound products (Model._bound_calls): timed copies
         model._bound = {li: tuple(_timed_bound(b, acc) for b in c) for li, c in bound.items()}
+        chains = model._chains        # decode's chains (Model._decode_chains): timed copies
+        if chains:
+            model._chains = [_timed_chain(c, i, len(chains), acc) for i, c in enumerate(chains)]
         per = step()
-        model._bound = bound
+        model._bound, model._chains = bound, chains
         for mod, names, fs in saved:
             for nm, f in zip(names, fs):
                 if mod is model.cache:

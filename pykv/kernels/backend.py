@@ -1,8 +1,8 @@
 """The backend seam: one object, picked once when a model loads, that names the kernel modules and
 the array helpers the forward pass uses.
 
-    cpu   pykv.kernels.{matmul, ops, kvquant, attention, sampler}       numpy arrays, @njit(parallel=True)
-    cuda  pykv.kernels.cuda.{matmul, ops, kvquant, attention, sampler}  numba.cuda device arrays
+    cpu   pykv.kernels.{matmul, ops, kvquant, attention, sampler, chain}       numpy arrays, @njit(parallel=True)
+    cuda  pykv.kernels.cuda.{matmul, ops, kvquant, attention, sampler, chain}  numba.cuda device arrays
 
 Twin modules have the same function names and arguments, so `model.py` and `kv_cache.py` call
 `be.ops.rmsnorm_act(...)` and never branch on the device. Arrays a backend hands out (`zeros`,
@@ -19,12 +19,13 @@ import numpy as np
 from ..config import PykvError
 
 DEVICES = ("cpu", "cuda")
-KERNEL_MODULES = ("matmul", "ops", "kvquant", "attention", "sampler")
+KERNEL_MODULES = ("matmul", "ops", "kvquant", "attention", "sampler", "chain")
 
 
 class Backend:
-    """name: "cpu" | "cuda"; matmul, ops, kvquant, attention, sampler: the kernel modules of that device
-    (sampler.pick: a token id from a logits row of this device)."""
+    """name: "cpu" | "cuda"; matmul, ops, kvquant, attention, sampler, chain: the kernel modules of that
+    device (sampler.pick: a token id from a logits row of this device; chain.bind: a decode step's
+    products between two attentions as one call, or None where the device runs them one by one)."""
 
     name: str
     matmul: ModuleType
@@ -32,6 +33,7 @@ class Backend:
     kvquant: ModuleType
     attention: ModuleType
     sampler: ModuleType
+    chain: ModuleType
 
     def __init__(self, name: str, package: str):
         self.name = name

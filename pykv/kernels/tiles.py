@@ -557,6 +557,30 @@ def dot_ktile_by(fmts, nt=1):
     return intrinsic(typer)
 
 
+def dot_any_by(ifmts, kfmts, koff=100):
+    """Intrinsic (code, qt, sc, xq, xd, xs, xqk, xdk, xbk, nb, out): one token's dot of one tile of any
+    integer tile weight, code a literal: below koff dot_tile_<ifmts[code]>(qt, sc, xq, xd, xs, nb, out)
+    (q8_0 activations), from koff dot_ktile_<kfmts[code - koff]>(qt, xqk, xdk, xbk, nb, out) (q8_K
+    activations; sc is not read)."""
+    typers = {k: (_tile_dot(f), (0, 1, 2, 3, 4, 8, 9)) for k, f in ifmts.items()}
+    typers.update({k + koff: (_ktile_typer(f, 1), (0, 5, 6, 7, 8, 9)) for k, f in kfmts.items()})
+
+    def typer(typingctx, code, qt, sc, xq, xd, xs, xqk, xdk, xbk, nb, out):
+        if not isinstance(code, types.IntegerLiteral) or code.literal_value not in typers:
+            return None
+        inner_typer, pick = typers[code.literal_value]
+        args = (qt, sc, xq, xd, xs, xqk, xdk, xbk, nb, out)
+        r = inner_typer(typingctx, *(args[i] for i in pick))
+        if r is None:
+            return None
+        inner, cg = r
+
+        def codegen(context, builder, sig, cargs):
+            return cg(context, builder, inner, [cargs[1 + i] for i in pick])
+        return types.void(code, *args), codegen
+    return intrinsic(typer)
+
+
 dot_ktile_q2k = _ktile_dot("q2k")
 dot_ktile_q3k = _ktile_dot("q3k")
 dot_ktile_q4k = _ktile_dot("q4k")

@@ -1,0 +1,311 @@
+"""A decode step's work between two attentions in ONE parallel region (CPU).
+
+One token's layer is ~10 kernel calls; on two threads each parallel region costs ~3.5 us to start and a
+thread that finishes its static share of a small product waits for the other (Zen 3: a layer's four
+products took ~5 us a call more than one long product reading the same bytes).  `chain` runs, for one
+token, the tail of layer l and the head of layer l+1 as numbered work items that the threads claim in
+order from a shared counter:
+
+    stage 0  attn_out_act (+ its q8 blocks)          1 item
+    stage 1  o = att @ wo                            one run of row tiles per thread
+    stage 2  x += o; rmsnorm (ffn_norm) (+ q8)       1 item
+    stage 3  g, u = x @ (w_gate, w_up)               runs over the tiles of both
+    stage 4  swiglu (+ q8)                           1 item
+    stage 5  o = swiglu @ w_down                     runs
+    stage 6  x += o; rmsnorm (next attn_norm) (+ q8) 1 item  (no tail: rmsnorm of x; no head: x += o)
+    stage 7  q, k, v = x @ (wq, wk, wv)              runs over the tiles of the three
+
+An item waits (spinning) until the nearest non-empty earlier stage has finished every item; a product item
+that has to wait prefetches its first row tile meanwhile.  Items are claimed in increasing order and only wait on
+lower-numbered ones, each held by a running thread, so the region finishes at any thread count (one
+thread runs them in order).  Every product is the integer tile dot of the matmul kernels, so the
+results equal matmul's bit for bit.
+
+Weight codes (compile-time literals): matmul's _KIND_ITILE_* kind (q8_0 activations), or KOFF + the
+ggml type of a K-quant tile (q8_K activations).
+"""
+import numpy as np
+import numba
+from numba import literally, njit, prange, types
+from numba.experimental import structref
+
+from . import matmul as M
+from .matmul import _FM, _ITILE_FMT, _KTILE_FMT, _q8_row, _q8k_row
+from .ops import add_inplace, add_rmsnorm_act, attn_out_act, rmsnorm_act, swiglu_act
+from .simd import prefetch
+from .sync import fetch_add, load_acquire, spin_pause
+from .tiles import KTILE_ROWS, TILE_ROWS, dot_any_by
+
+KOFF = 100
+TAIL, HEAD = 1, 2          # mode bits: layer l's tail (stages 0-6), layer l+1's head (stages 6-7)
+N_STAGES = 8
+SYNC = 8 * (1 + N_STAGES)
+_dot = dot_any_by(_ITILE_FMT, _KTILE_FMT, KOFF)
+
+
+@njit(cache=True, nogil=True, fastmath=_FM)
+def _quant(c0, c1, c2, X, XQ, XD, XS, XF, XQK, XDK, XBK):
+    """The activation blocks the weights of codes c0..c2 read (q8_0 and / or q8_K) of token 0 of X."""
+    if c0 < KOFF or c1 < KOFF or c2 < KOFF:
+        _q8_row(X, 0, XQ, XD, XS, XF)
+    if c0 >= KOFF or c1 >= KOFF or c2 >= KOFF:
+        _q8k_row(X, 0, XQK, XDK, XBK)
+
+
+@njit(cache=True, nogil=True, fastmath=_FM)
+def _tile(code, qt, sc, i, XQ, XD, XS, XQK, XDK, XBK, out):
+    """Row tile i of one weight for token 0: out[i*R:(i+1)*R] (compiled once per literal code: every
+    chain with that weight type links the same code)."""
+    literally(code)
+    if code >= KOFF:
+        r0 = i * KTILE_ROWS
+        _dot(code, qt[i], sc[0], XQ[0], XD[0], XS[0], XQK[0], XDK[0], XBK[0], XDK.shape[1],
+             out[0, r0:r0 + KTILE_ROWS])
+    else:
+        r0 = i * TILE_ROWS
+        _dot(code, qt[i], sc[i], XQ[0], XD[0], XS[0], XQK[0], XDK[0], XBK[0], qt.shape[1],
+             out[0, r0:r0 + TILE_ROWS])
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _warm(qt, i):
+    """Prefetch row tile i's weight bytes (an item waiting for the previous stage)."""
+    t = qt[i]
+    n = t.size
+    for off in range(0, n, 64):
+        prefetch(t, off)
+
+
+@njit(cache=True, nogil=True)
+def _warm_item(s, j, W):
+    """Prefetch the first row tile of product stage s's item starting at tile j (W: chain's weights)."""
+    wq, wk, wv, wo, wg, wu, wd = W[0], W[2], W[4], W[6], W[8], W[10], W[12]
+    if s == 1:
+        _warm(wo, j)
+    elif s == 3:
+        if j < wg.shape[0]:
+            _warm(wg, j)
+        else:
+            _warm(wu, j - wg.shape[0])
+    elif s == 5:
+        _warm(wd, j)
+    elif s == 7:
+        if j < wq.shape[0]:
+            _warm(wq, j)
+        elif j < wq.shape[0] + wk.shape[0]:
+            _warm(wk, j - wq.shape[0])
+        else:
+            _warm(wv, j - wq.shape[0] - wk.shape[0])
+
+
+@njit(cache=True, nogil=True, fastmath=_FM)
+def _item(cq, ck, cv, co, cg, cu, cd, s, j0, j1, mode, eps, rotate, W, B, A, F):
+    """Stage s's work item: row tiles j0 .. j1-1 of its product, or its serial step (a function of its
+    own, compiled once per weight codes, so the parallel region around it stays small to compile)."""
+    wq, sq, wk, sk, wv, sv, wo, so, wg, sg, wu, su, wd, sd = W
+    att, sign, x, norm_f, norm_a, q, k, v, o, g, u = B
+    AX, AXQ, AXD, AXS, AXF, AXQK, AXDK, AXBK = A
+    FX, FXQ, FXD, FXS, FXF, FXQK, FXDK, FXBK = F
+    literally(cq)
+    literally(ck)
+    literally(cv)
+    literally(co)
+    literally(cg)
+    literally(cu)
+    literally(cd)
+    if s == 0:
+        attn_out_act(att, sign, rotate, AX, AXF)
+        _quant(co, co, co, AX, AXQ, AXD, AXS, AXF, AXQK, AXDK, AXBK)
+    elif s == 1:
+        for j in range(j0, j1):
+            _tile(co, wo, so, j, AXQ, AXD, AXS, AXQK, AXDK, AXBK, o)
+    elif s == 2:
+        add_rmsnorm_act(x, o, norm_f, eps, AX, AXF)
+        _quant(cg, cu, cu, AX, AXQ, AXD, AXS, AXF, AXQK, AXDK, AXBK)
+    elif s == 3:
+        for j in range(j0, j1):
+            if j < wg.shape[0]:
+                _tile(cg, wg, sg, j, AXQ, AXD, AXS, AXQK, AXDK, AXBK, g)
+            else:
+                _tile(cu, wu, su, j - wg.shape[0], AXQ, AXD, AXS, AXQK, AXDK, AXBK, u)
+    elif s == 4:
+        swiglu_act(g, u, FX, FXF)
+        _quant(cd, cd, cd, FX, FXQ, FXD, FXS, FXF, FXQK, FXDK, FXBK)
+    elif s == 5:
+        for j in range(j0, j1):
+            _tile(cd, wd, sd, j, FXQ, FXD, FXS, FXQK, FXDK, FXBK, o)
+    elif s == 6:
+        tail = (mode & TAIL) != 0
+        head = (mode & HEAD) != 0
+        if tail and head:
+            add_rmsnorm_act(x, o, norm_a, eps, AX, AXF)
+        elif head:
+            rmsnorm_act(x, norm_a, eps, AX, AXF)
+        else:
+            add_inplace(x, o)
+        if head:
+            _quant(cq, ck, cv, AX, AXQ, AXD, AXS, AXF, AXQK, AXDK, AXBK)
+    else:
+        for j in range(j0, j1):
+            if j < wq.shape[0]:
+                _tile(cq, wq, sq, j, AXQ, AXD, AXS, AXQK, AXDK, AXBK, q)
+            elif j < wq.shape[0] + wk.shape[0]:
+                _tile(ck, wk, sk, j - wq.shape[0], AXQ, AXD, AXS, AXQK, AXDK, AXBK, k)
+            else:
+                _tile(cv, wv, sv, j - wq.shape[0] - wk.shape[0], AXQ, AXD, AXS, AXQK, AXDK, AXBK, v)
+
+
+@njit(cache=True, nogil=True)
+def _plan(mode, W, split):
+    """chain's work items: per stage its row tiles nt (1: a serial stage), items n (runs of tiles, at
+    most split a product), first item, and the nearest non-empty earlier stage (-1: none).  Outside the
+    parallel function: its array constructors would each become a parallel loop of their own."""
+    wq, wk, wv, wo, wg, wu, wd = W[0], W[2], W[4], W[6], W[8], W[10], W[12]
+    tail = (mode & TAIL) != 0
+    head = (mode & HEAD) != 0
+    nt = np.zeros(N_STAGES, np.int64)            # row tiles (1: a serial stage)
+    if tail:
+        nt[0] = 1
+        nt[1] = wo.shape[0]
+        nt[2] = 1
+        nt[3] = wg.shape[0] + wu.shape[0]
+        nt[4] = 1
+        nt[5] = wd.shape[0]
+    nt[6] = 1
+    if head:
+        nt[7] = wq.shape[0] + wk.shape[0] + wv.shape[0]
+    n = np.zeros(N_STAGES, np.int64)             # items: contiguous runs of tiles
+    for s in range(N_STAGES):
+        n[s] = min(nt[s], split) if s & 1 else nt[s]
+    first = np.zeros(N_STAGES + 1, np.int64)     # first item of each stage
+    prev = np.full(N_STAGES, -1, np.int64)       # the nearest non-empty earlier stage
+    last = -1
+    for s in range(N_STAGES):
+        first[s + 1] = first[s] + n[s]
+        prev[s] = last
+        if n[s]:
+            last = s
+    return nt, n, first, prev
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def chain(cq, ck, cv, co, cg, cu, cd, mode, eps, rotate, P, split):
+    """One token (row 0 of every array) through stages 0-7 above (mode: TAIL | HEAD bits), c*: the weights'
+    codes.  W: (wq, sq, wk, sk, wv, sv, wo, so, wg, sg, wu, su, wd, sd): w* a weight's tiles (matmul
+    Weight.qt), s* its scales (Weight.sc; any uint16 4-D array for a K-quant); B: (att (1, H, HD), sign,
+    x (1, D), ffn_norm, the next attn_norm, q, k, v, o, g, u: the products' outputs (1, rows));
+    A: the D-wide activation (matmul.Act x, xq, xd, xs, xf, xqk, xdk, xbk), F: the FF-wide one (W, B, A, F
+    and sync are the fields of P, a ChainArgs: one object to unbox per call, not ~45 arrays); sync: int64 (SYNC,) scratch: the claim
+    counter and each stage's done count, 64 bytes apart; split: the threads (numba.get_num_threads(), passed
+    in: calling it here would keep the function out of Numba's cache): items per product, one run of
+    row tiles each (a run keeps the tiles' prefetch-ahead inside the thread that reads them)."""
+    literally(cq)
+    literally(ck)
+    literally(cv)
+    literally(co)
+    literally(cg)
+    literally(cu)
+    literally(cd)
+    W, B, A, F, sync = P.W, P.B, P.A, P.F, P.sync
+    nt, n, first, prev = _plan(mode, W, split)
+    total = first[N_STAGES]
+    for s in range(SYNC):
+        sync[s] = 0
+    for _ in prange(split):
+        while True:
+            it = fetch_add(sync, 0, 1)
+            if it >= total:
+                break
+            s = 0
+            while it >= first[s + 1]:
+                s += 1
+            j = it - first[s]
+            j0 = j * nt[s] // n[s]
+            j1 = (j + 1) * nt[s] // n[s]
+            p = prev[s]
+            if p >= 0 and load_acquire(sync, 8 + 8 * p) < n[p]:
+                _warm_item(s, j0, W)
+                while load_acquire(sync, 8 + 8 * p) < n[p]:
+                    spin_pause()
+            _item(cq, ck, cv, co, cg, cu, cd, s, j0, j1, mode, eps, rotate, W, B, A, F)
+            fetch_add(sync, 8 + 8 * s, 1)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Python-level API
+# ----------------------------------------------------------------------------------------------------
+
+@structref.register
+class ChainArgsType(types.StructRef):
+    def preprocess_fields(self, fields):
+        return tuple((name, types.unliteral(t)) for name, t in fields)
+
+
+class ChainArgs(structref.StructRefProxy):
+    """chain's arrays (W, B, A, F: tuples, sync) in one Numba struct: a call unboxes one object
+    (0.9 us) instead of ~45 arrays (4 us, 31 calls a token)."""
+
+    def __new__(cls, W, B, A, F, sync):
+        return structref.StructRefProxy.__new__(cls, W, B, A, F, sync)
+
+
+structref.define_proxy(ChainArgs, ChainArgsType, ["W", "B", "A", "F", "sync"])
+
+
+def code(w) -> int | None:
+    """The chain's literal code of a matmul Weight, or None when the chain cannot run it (not an
+    integer tile weight, or a partial last row tile)."""
+    if w.kind in M._ITILE_KINDS:
+        return w.kind if w.rows % TILE_ROWS == 0 else None
+    if w.kind == M._KIND_KTILE:
+        return KOFF + w.ggml_type if w.rows % KTILE_ROWS == 0 else None
+    return None
+
+
+def enabled() -> bool:
+    """False in matmul's exact mode (float activations everywhere): the chain's products are q8 only."""
+    return not M._EXACT
+
+
+class Chain:
+    """chain() bound to one layer boundary: the tail of layer l (wo, w_gate, w_up, w_down, ffn_norm) and
+    the head of layer l + 1 (wq, wk, wv, attn_norm), either may be None; arguments fixed at bind."""
+
+    __slots__ = ("lits", "args", "entry")
+
+    def __init__(self, lits, args):
+        self.lits, self.args, self.entry = lits, args, None
+
+    def __call__(self) -> None:
+        if self.entry is None:      # compiles or loads chain for these codes, then keeps its entry point
+            M._call_kind(chain, self.lits, *self.args, numba.get_num_threads())
+            self.entry = M._SPECIALIZED.get((chain, self.lits))
+            return
+        self.entry(*self.lits, *self.args, numba.get_num_threads())
+
+
+_NO_SC = np.zeros((1, 1, 1, 1), np.uint16)      # a K-quant weight's (unread) scales argument
+
+
+def bind(tail, head, views, act_d, act_ff, sign, rotate: bool, eps: float):
+    """A Chain for one token, or None when a weight is not one the chain runs (code).  tail: (wo,
+    w_gate, w_up, w_down, ffn_norm) or None; head: (wq, wk, wv, attn_norm) or None; views: the run
+    state's one-token rows (model.Views: x, q, k, v, o, g, u, att3); act_d, act_ff: matmul.Act of
+    widths D and FF; sign: the rotation signs (rotate: undo it on the attention output)."""
+    if tail is None and head is None:
+        return None
+    t = tail if tail is not None else (head[0],) * 4 + (head[3],)
+    h = head if head is not None else (tail[0],) * 3 + (tail[4],)
+    ws = (h[0], h[1], h[2], t[0], t[1], t[2], t[3])
+    codes = tuple(code(w) for w in ws)
+    if None in codes:
+        return None
+    mode = (TAIL if tail is not None else 0) | (HEAD if head is not None else 0)
+    W = ()
+    for w in ws:
+        W += (w.qt, w.sc if w.sc is not None else _NO_SC)
+    v, a, f = views, act_d, act_ff
+    B = (v.att3, sign, v.x, t[4], h[3], v.q, v.k, v.v, v.o, v.g, v.u)
+    A = (a.x, a.xq, a.xd, a.xs, a.xf, a.xqk, a.xdk, a.xbk)
+    F = (f.x, f.xq, f.xd, f.xs, f.xf, f.xqk, f.xdk, f.xbk)
+    return Chain(codes, (mode, np.float32(eps), bool(rotate), ChainArgs(W, B, A, F, np.zeros(SYNC, np.int64))))
