@@ -62,27 +62,25 @@ def _mm_label(ws):
     return f"fused {'+'.join(M._GT(w.ggml_type).name for w in ws)} {'/'.join(str(w.rows) for w in ws)}"
 
 
-def _timed_bound(b, acc):
-    """A decode product the model keeps bound (matmul.bind), timed under its matmul label."""
-    label = _mm_label(b.ws)
-
+def _timed(f, label, acc):
+    """f() timed under label."""
     def g():
         t0 = time.perf_counter()
-        b()
+        f()
         acc[label].append(time.perf_counter() - t0)
     return g
+
+
+def _timed_bound(b, acc):
+    """A decode product the model keeps bound (matmul.bind), timed under its matmul label."""
+    return _timed(b, _mm_label(b.ws), acc)
 
 
 def _timed_chain(c, i, n, acc):
     """Decode chain i of n (kernels.chain), timed: the first runs the first layer's norm and Q/K/V, the
     last the last layer's output and FFN, the others a layer's output and FFN plus the next one's Q/K/V."""
-    label = "chain: norm, q/k/v" if i == 0 else "chain: o, ffn" if i == n - 1 else "chain: o, ffn, next q/k/v"
-
-    def g():
-        t0 = time.perf_counter()
-        c()
-        acc[label].append(time.perf_counter() - t0)
-    return g
+    return _timed(c, "chain: norm, q/k/v" if i == 0 else "chain: o, ffn" if i == n - 1
+                  else "chain: o, ffn, next q/k/v", acc)
 
 
 def prefill(model, seq, n, depth):
