@@ -18,6 +18,8 @@ llama.cpp's own llama-bench binary instead (`-o json`), e.g. one built by `tools
 for the ISA class pykv compiles for: the same-class peer. llama.cpp needs flash attention for
 a quantized V cache; with `-fa auto` (default) quantized-V cells use fa on and float-V cells run both
 fa on and off and report the better figure of each test. `-fa` only affects llama.cpp.
+`--rounds K` runs pykv then llama.cpp K times in turn (each -r repetitions) and pools each side's samples:
+on a shared host whose speed drifts over minutes, both sides then sample the same phases.
 """
 from __future__ import annotations
 
@@ -391,11 +393,30 @@ def _llama_bench_cells(exe, path, plan, ctk, ctv, t, fa_mode, log) -> tuple[dict
         return {}, str(e)
 
 
+def _pool_llama(into: dict, got: dict) -> None:
+    """Add one round's llama.cpp cells (got) to the earlier rounds' (into): samples pooled, median recomputed
+    (each round's flash-attention setting is that round's better one)."""
+    for key, cell in got.items():
+        old = into.get(key)
+        if old is None:
+            into[key] = dict(cell)
+            continue
+        for name in ("pp", "tg"):
+            samples = (old.get(f"{name}_samples") or []) + (cell.get(f"{name}_samples") or [])
+            med, sd = _stats(samples)
+            fas = {f for f in (old.get(f"{name}_fa"), cell.get(f"{name}_fa")) if f}
+            old.update({f"{name}_tps": med, f"{name}_tps_sd": sd, f"{name}_samples": samples,
+                        f"{name}_fa": ",".join(sorted(fas)) or None})
+
+
 # ---- the benchmark ---------------------------------------------------------------------------------------
 def run_bench(model=None, *, n_prompt="512", n_gen="128", depth="0", ctk="f16", ctv=None, threads=None,
               reps: int = 3, kv_rotate=None, compare_llamacpp: bool = False, flash_attn: str = "auto",
-              progress=None, seed: int = 1234, device: str = "cpu", llama_bench: str | None = None) -> list[dict]:
+              progress=None, seed: int = 1234, device: str = "cpu", llama_bench: str | None = None,
+              rounds: int = 1) -> list[dict]:
     """Run the benchmark; returns one dict per cell (see the module docstring).
+    rounds: with a comparison, run pykv then llama.cpp this many times in turn (-r repetitions each) and
+    pool each side's samples, so that a slow phase of a shared host lands on both sides.
 
     List arguments take a comma string or a list. progress: None = print to stderr when it is a TTY.
     llama_bench: a llama-bench binary to compare against (implies compare_llamacpp; no llama-cpp-python).
@@ -421,28 +442,35 @@ def run_bench(model=None, *, n_prompt="512", n_gen="128", depth="0", ctk="f16", 
         if progress:
             print(f"bench: {msg}", file=sys.stderr, flush=True)
 
+    if not isinstance(rounds, int) or rounds < 1:
+        raise PykvError(f"--rounds: expected an integer >= 1, got {rounds!r}")
     rows = []
     path = model
     for ctk_, ctv_ in plan.pairs:
         for t in plan.threads:
             rng = np.random.default_rng(seed)
-            eng = _PykvEngine(path, plan.n_ctx, ctk_, ctv_, t, rot, device)
-            path = eng.path            # resolved once (registry name -> file)
-            info = eng.info()
-            try:
-                res = _measure(eng, plan, rng, log, f"pykv {ctk_}/{ctv_} t{t}")
-            finally:
-                eng.close()
-                del eng
-            llama, llama_err = {}, None
-            if compare_llamacpp:
-                if llama_bench is not None:
-                    llama, llama_err = _llama_bench_cells(llama_bench, path, plan, ctk_, ctv_, t, flash_attn, log)
-                else:
-                    llama, llama_err = _llama_cells(path, plan, ctk_, ctv_, t, flash_attn,
-                                                    np.random.default_rng(seed), log)
-                if llama_err:
-                    log(f"llama.cpp {ctk_}/{ctv_}: {llama_err}")
+            res, llama, llama_err = {}, {}, None
+            for rd in range(rounds):      # pykv, then llama.cpp, then pykv again ...: both see the host's slow phases
+                eng = _PykvEngine(path, plan.n_ctx, ctk_, ctv_, t, rot, device)
+                path = eng.path            # resolved once (registry name -> file)
+                info = eng.info()
+                try:
+                    for key, (pp, tg) in _measure(eng, plan, rng, log, f"pykv {ctk_}/{ctv_} t{t}").items():
+                        res.setdefault(key, ([], []))
+                        res[key][0].extend(pp)
+                        res[key][1].extend(tg)
+                finally:
+                    eng.close()
+                    del eng
+                if compare_llamacpp:
+                    if llama_bench is not None:
+                        got, llama_err = _llama_bench_cells(llama_bench, path, plan, ctk_, ctv_, t, flash_attn, log)
+                    else:
+                        got, llama_err = _llama_cells(path, plan, ctk_, ctv_, t, flash_attn,
+                                                      np.random.default_rng(seed + rd), log)
+                    if llama_err:
+                        log(f"llama.cpp {ctk_}/{ctv_}: {llama_err}")
+                    _pool_llama(llama, got)
             for p in plan.prompts:
                 for n in plan.gens:
                     for d in plan.depths:
@@ -451,7 +479,7 @@ def run_bench(model=None, *, n_prompt="512", n_gen="128", depth="0", ctk="f16", 
                         tg_m, tg_sd = _stats(tg)
                         row = {"model": os.path.basename(str(path)), "model_path": str(path),
                                "depth": d, "n_prompt": p, "n_gen": n, "ctk": ctk_, "ctv": ctv_, "threads": t,
-                               "reps": plan.reps, **info,
+                               "reps": plan.reps, "rounds": rounds, **info,
                                "pp_tps": pp_m, "pp_tps_sd": pp_sd, "pp_samples": pp,
                                "tg_tps": tg_m, "tg_tps_sd": tg_sd, "tg_samples": tg}
                         if compare_llamacpp:
@@ -542,7 +570,8 @@ def cmd_bench(args) -> int:
     rows = run_bench(args.model, n_prompt=args.n_prompt, n_gen=args.n_gen, depth=args.n_depth,
                      ctk=args.cache_type_k, ctv=args.cache_type_v, threads=args.threads,
                      reps=args.repetitions, kv_rotate=args.kv_rotate, compare_llamacpp=args.compare_llamacpp,
-                     flash_attn=args.flash_attn, device=args.device, llama_bench=args.llama_bench)
+                     flash_attn=args.flash_attn, device=args.device, llama_bench=args.llama_bench,
+                     rounds=args.rounds)
     if args.json:
         print(json.dumps(rows, indent=2, default=_json_default))
     else:
@@ -594,6 +623,10 @@ def register_cli(subparsers) -> None:
                    help="compare against this llama-bench binary (llama.cpp's own benchmark, e.g. built by "
                         "tools/build_llama_bench.py CLASS for pykv's ISA class) instead of llama-cpp-python; "
                         "implies --compare-llamacpp")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="with a comparison: run pykv then llama.cpp this many times in turn (-r repetitions "
+                        "each) and pool each side's samples, so that a noisy host's slow phases land on both "
+                        "sides (default 1)")
     p.add_argument("--json", action="store_true", help="print a JSON list of cells instead of a markdown table")
     from .cli import device_arg
     device_arg(p)

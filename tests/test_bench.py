@@ -1,6 +1,7 @@
 """`pykv bench`: cells, keys and output shape on a tiny synthetic model (speeds are never asserted)."""
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -239,3 +240,26 @@ def test_llama_bench_isa_of_a_real_build():
             assert llama_bench_isa(exe) == isa
     if not found:
         pytest.skip("no llama-bench built by tools/build_llama_bench.py on this host")
+
+
+def test_rounds_alternate_and_pool_samples(tiny, tmp_path):
+    """--rounds K: pykv then llama-bench, K times in turn; each side's samples pooled over the rounds (the
+    figure is their median); --rounds 0 is a one-line error."""
+    log = tmp_path / "argv.jsonl"
+    exe = _fake_llama_bench(tmp_path, f"import json, sys\nopen({str(log)!r}, 'a').write(json.dumps(sys.argv[1:]) + '\\n')\n"
+                                      f"sys.stdout.write(open({str(LLAMA_BENCH_JSON)!r}).read())")
+    r = bench(tiny, "-p", "16", "-n", "4", "-d", "0", "-t", "1", "-r", "2", "--rounds", "3", "--json",
+              "--llama-bench", str(exe))
+    assert r.returncode == 0, r.stderr
+    assert len(log.read_text().splitlines()) == 3          # one llama-bench run a round
+    (row,) = json.loads(r.stdout)
+    assert row["rounds"] == 3
+    assert len(row["pp_samples"]) == len(row["tg_samples"]) == 6         # 3 rounds x -r 2
+    assert row["tg_tps"] == pytest.approx(statistics.median(row["tg_samples"]))
+    from pykv.bench import _plan, parse_llama_bench
+    one = parse_llama_bench(LLAMA_BENCH_JSON.read_text(), _plan("16", "4", "0", "f16", None, "1", 1), "unknown")[(16, 4, 0)]
+    lc = row["llamacpp"]
+    assert lc["tg_samples"] == one["tg_samples"] * 3
+    assert lc["tg_tps"] == pytest.approx(statistics.median(one["tg_samples"] * 3))
+    assert_clean_error(bench(tiny, "-p", "4", "-n", "1", "-r", "1", "--rounds", "0", "--llama-bench", str(exe)),
+                       "--rounds")

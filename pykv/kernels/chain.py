@@ -31,7 +31,7 @@ from numba.experimental import structref
 
 from . import matmul as M
 from .matmul import _FM, _ITILE_FMT, _KTILE_FMT, _q8_row, _q8k_row
-from .ops import add_inplace, add_rmsnorm_act, attn_out_act, rmsnorm_act, swiglu_act
+from .ops import add_inplace, add_rmsnorm_act_row, attn_out_act_row, rmsnorm_act_row, swiglu_act_row
 from .simd import prefetch
 from .sync import fetch_add, load_acquire, spin_pause
 from .tiles import KTILE_ROWS, TILE_ROWS, dot_any_by
@@ -114,13 +114,13 @@ def _item(cq, ck, cv, co, cg, cu, cd, s, j0, j1, mode, eps, rotate, W, B, A, F):
     literally(cu)
     literally(cd)
     if s == 0:
-        attn_out_act(att, sign, rotate, AX, AXF)
+        attn_out_act_row(att, sign, rotate, AX, AXF, 0)
         _quant(co, co, co, AX, AXQ, AXD, AXS, AXF, AXQK, AXDK, AXBK)
     elif s == 1:
         for j in range(j0, j1):
             _tile(co, wo, so, j, AXQ, AXD, AXS, AXQK, AXDK, AXBK, o)
     elif s == 2:
-        add_rmsnorm_act(x, o, norm_f, eps, AX, AXF)
+        add_rmsnorm_act_row(x, o, norm_f, eps, AX, AXF, 0)
         _quant(cg, cu, cu, AX, AXQ, AXD, AXS, AXF, AXQK, AXDK, AXBK)
     elif s == 3:
         for j in range(j0, j1):
@@ -129,7 +129,7 @@ def _item(cq, ck, cv, co, cg, cu, cd, s, j0, j1, mode, eps, rotate, W, B, A, F):
             else:
                 _tile(cu, wu, su, j - wg.shape[0], AXQ, AXD, AXS, AXQK, AXDK, AXBK, u)
     elif s == 4:
-        swiglu_act(g, u, FX, FXF)
+        swiglu_act_row(g, u, FX, FXF, 0)
         _quant(cd, cd, cd, FX, FXQ, FXD, FXS, FXF, FXQK, FXDK, FXBK)
     elif s == 5:
         for j in range(j0, j1):
@@ -138,9 +138,9 @@ def _item(cq, ck, cv, co, cg, cu, cd, s, j0, j1, mode, eps, rotate, W, B, A, F):
         tail = (mode & TAIL) != 0
         head = (mode & HEAD) != 0
         if tail and head:
-            add_rmsnorm_act(x, o, norm_a, eps, AX, AXF)
+            add_rmsnorm_act_row(x, o, norm_a, eps, AX, AXF, 0)
         elif head:
-            rmsnorm_act(x, norm_a, eps, AX, AXF)
+            rmsnorm_act_row(x, norm_a, eps, AX, AXF, 0)
         else:
             add_inplace(x, o)
         if head:

@@ -66,6 +66,7 @@ from numba import njit, prange
 from ..formats import (CODE_BF16, CODE_F16, CODE_F32, CODE_FP8_E4M3, CODE_FP8_E5M2, CODE_INT2,
                        CODE_INT4, CODE_IQ4_NL, CODE_Q4_0, CODE_Q4_1, CODE_Q5_0, CODE_Q5_1, CODE_Q8_0)
 from .blocks import IQ4NL_F, NL_BITS, NL_BYTES, NL_E8, NL_OFF, NL_SCALE, NL_TABLE, deq_rows, rd_f16
+from .ops import PAR_T
 from .simd import bits_f32, f32_bits, floorf, fmul_rn, h2f
 
 # ----------------------------------------------------------------------------------------------
@@ -688,18 +689,28 @@ def kivi_quantize_kpage(bits, xk, dst):
 # the paged cache (pykv.kv_cache): token rows into pages, the f16 residual rows, page flushes
 # ----------------------------------------------------------------------------------------------
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, inline="always")
+def _append_row(x, pool, page_table, start, P, code, i):
+    KVH = x.shape[1]
+    rb = pool.shape[2] // P
+    t = i // KVH
+    g = i % KVH
+    j = start + t
+    o = (j % P) * rb
+    quantize_row(code, x[t, g], pool[g, page_table[j // P], o:o + rb])
+
+
+@njit(cache=True, nogil=True, parallel=True)
 def append_rows(x, pool, page_table, start, P, code):
     # x (T, KVH, HD) f32 -> quantize token start+t, head g into its slot of pool (KVH, n_pages, P*rb).
-    # Serial: a decode step appends KVH rows, far too little work to wake threads for.
+    # A decode step's KVH rows run on the calling thread (far too little work to wake threads for).
     T, KVH, HD = x.shape
-    rb = pool.shape[2] // P
-    for i in range(T * KVH):
-        t = i // KVH
-        g = i % KVH
-        j = start + t
-        o = (j % P) * rb
-        quantize_row(code, x[t, g], pool[g, page_table[j // P], o:o + rb])
+    if T >= PAR_T:
+        for i in prange(T * KVH):
+            _append_row(x, pool, page_table, start, P, code, i)
+    else:
+        for i in range(T * KVH):
+            _append_row(x, pool, page_table, start, P, code, i)
 
 
 @njit(cache=True, nogil=True)

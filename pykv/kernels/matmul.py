@@ -60,6 +60,7 @@ from gguf import GGMLQuantizationType as _GT
 
 from ..formats import KV_FORMATS
 from .blocks import KVALUES_IQ4NL, deq_rows, rd_f16
+from .ops import PAR_T
 from .simd import h2f
 # (the tiles' weight-prefetch policy per ISA class: kernels.tiles PF_BYTES / KPF_AHEAD)
 from .tiles import ISA, KTILE_ROWS, TILE_ROWS, dot_ktile_by, dot_tile_by, repack_ktile
@@ -201,8 +202,12 @@ def _deq_row(kind, w, y):
 
 @njit(cache=True, nogil=True, parallel=True)
 def _get_rows_kernel(kind, raw, ids, out):
-    for i in prange(ids.shape[0]):
-        _deq_row(kind, raw[ids[i]], out[i])
+    if ids.shape[0] >= PAR_T:
+        for i in prange(ids.shape[0]):
+            _deq_row(kind, raw[ids[i]], out[i])
+    else:           # a decode step's row: not worth waking the threads
+        for i in range(ids.shape[0]):
+            _deq_row(kind, raw[ids[i]], out[i])
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -1,21 +1,32 @@
 """Small elementwise / row kernels of the decoder (CPU). Shapes in comments: T tokens, D width."""
 import numpy as np
-from numba import njit
+from numba import njit, prange
 
 from .simd import bits_f32
+
+
+# Row kernels split their tokens over the threads from this many on (prefill); fewer (a decode step) run
+# on the calling thread: waking the others costs more than the rows.  kernels.chain calls the _row forms:
+# compiled once (not inlined) so that the chain and the separate calls run the same code, bit for bit.
+PAR_T = 16
+
+
+@njit(cache=True, nogil=True, fastmath=True, error_model="numpy", inline="always")
+def _rmsnorm_row(x, w, eps, out, t):
+    D = x.shape[1]
+    ss = 0.0
+    for i in range(D):
+        ss += x[t, i] * x[t, i]
+    r = 1.0 / np.sqrt(ss / D + eps)
+    for i in range(D):
+        out[t, i] = x[t, i] * r * w[i]
 
 
 @njit(cache=True, nogil=True, fastmath=True, error_model="numpy")
 def rmsnorm(x, w, eps, out):
     # x (T, D) f32, w (D,) f32 -> out (T, D)
-    T, D = x.shape
-    for t in range(T):
-        ss = 0.0
-        for i in range(D):
-            ss += x[t, i] * x[t, i]
-        r = 1.0 / np.sqrt(ss / D + eps)
-        for i in range(D):
-            out[t, i] = x[t, i] * r * w[i]
+    for t in range(x.shape[0]):
+        _rmsnorm_row(x, w, eps, out, t)
 
 
 @njit(cache=True, nogil=True, fastmath=True, inline="always")
@@ -208,44 +219,85 @@ def _block_sums(X, XF, t):
 
 
 @njit(cache=True, nogil=True, fastmath=True, error_model="numpy")
-def rmsnorm_act(x, w, eps, X, XF):
-    # X[:T] = rmsnorm(x) * w, XF its block sums
-    T = x.shape[0]
-    rmsnorm(x, w, eps, X[:T])
-    for t in range(T):
-        _block_sums(X, XF, t)
+def rmsnorm_act_row(x, w, eps, X, XF, t):
+    # X[t] = rmsnorm(x[t]) * w, XF[t] its block sums
+    _rmsnorm_row(x, w, eps, X, t)
+    _block_sums(X, XF, t)
 
 
 @njit(cache=True, nogil=True, fastmath=True, error_model="numpy")
-def add_rmsnorm_act(x, y, w, eps, X, XF):
-    # x += y; X[:T] = rmsnorm(x) * w, XF its block sums
-    T, D = x.shape
-    for t in range(T):
-        for i in range(D):
-            x[t, i] += y[t, i]
-    rmsnorm_act(x, w, eps, X, XF)
+def add_rmsnorm_act_row(x, y, w, eps, X, XF, t):
+    # x[t] += y[t]; X[t] = rmsnorm(x[t]) * w, XF[t] its block sums
+    for i in range(x.shape[1]):
+        x[t, i] += y[t, i]
+    rmsnorm_act_row(x, w, eps, X, XF, t)
 
 
 @njit(cache=True, nogil=True, fastmath=True, error_model="numpy")
-def swiglu_act(g, u, X, XF):
-    # X[:T] = silu(g) * u, XF its block sums
-    T, F = g.shape
-    for t in range(T):
-        for i in range(F):
-            a = g[t, i]
-            e = exp_neg(-abs(a))               # silu(a) = a / (1 + exp(-a)), from exp(-|a|) <= 1
-            X[t, i] = (a if a >= np.float32(0.0) else a * e) / (np.float32(1.0) + e) * u[t, i]
-        _block_sums(X, XF, t)
+def swiglu_act_row(g, u, X, XF, t):
+    # X[t] = silu(g[t]) * u[t], XF[t] its block sums
+    for i in range(g.shape[1]):
+        a = g[t, i]
+        e = exp_neg(-abs(a))               # silu(a) = a / (1 + exp(-a)), from exp(-|a|) <= 1
+        X[t, i] = (a if a >= np.float32(0.0) else a * e) / (np.float32(1.0) + e) * u[t, i]
+    _block_sums(X, XF, t)
 
 
 @njit(cache=True, nogil=True)
+def attn_out_act_row(att, sign, rotate, X, XF, t):
+    # att[t] (H, HD): each head rotated back (if rotate) in place; X[t] = att[t] as (H*HD,), XF[t] its block sums
+    H, HD = att.shape[1], att.shape[2]
+    for h in range(H):
+        if rotate:
+            _fwht_vec(att[t, h], sign, True)
+        for i in range(HD):
+            X[t, h * HD + i] = att[t, h, i]
+    _block_sums(X, XF, t)
+
+
+@njit(cache=True, nogil=True, fastmath=True, error_model="numpy", parallel=True)
+def rmsnorm_act(x, w, eps, X, XF):
+    # X[:T] = rmsnorm(x) * w, XF its block sums
+    T = x.shape[0]
+    if T >= PAR_T:
+        for t in prange(T):
+            rmsnorm_act_row(x, w, eps, X, XF, t)
+    else:
+        for t in range(T):
+            rmsnorm_act_row(x, w, eps, X, XF, t)
+
+
+@njit(cache=True, nogil=True, fastmath=True, error_model="numpy", parallel=True)
+def add_rmsnorm_act(x, y, w, eps, X, XF):
+    # x += y; X[:T] = rmsnorm(x) * w, XF its block sums
+    T = x.shape[0]
+    if T >= PAR_T:
+        for t in prange(T):
+            add_rmsnorm_act_row(x, y, w, eps, X, XF, t)
+    else:
+        for t in range(T):
+            add_rmsnorm_act_row(x, y, w, eps, X, XF, t)
+
+
+@njit(cache=True, nogil=True, fastmath=True, error_model="numpy", parallel=True)
+def swiglu_act(g, u, X, XF):
+    # X[:T] = silu(g) * u, XF its block sums
+    T = g.shape[0]
+    if T >= PAR_T:
+        for t in prange(T):
+            swiglu_act_row(g, u, X, XF, t)
+    else:
+        for t in range(T):
+            swiglu_act_row(g, u, X, XF, t)
+
+
+@njit(cache=True, nogil=True, parallel=True)
 def attn_out_act(att, sign, rotate, X, XF):
     # att (T, H, HD): each head rotated back (if rotate) in place; X[:T] = att as (T, H*HD), XF its block sums
-    T, H, HD = att.shape
-    for t in range(T):
-        for h in range(H):
-            if rotate:
-                _fwht_vec(att[t, h], sign, True)
-            for i in range(HD):
-                X[t, h * HD + i] = att[t, h, i]
-        _block_sums(X, XF, t)
+    T = att.shape[0]
+    if T >= PAR_T:
+        for t in prange(T):
+            attn_out_act_row(att, sign, rotate, X, XF, t)
+    else:
+        for t in range(T):
+            attn_out_act_row(att, sign, rotate, X, XF, t)
