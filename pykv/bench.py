@@ -404,7 +404,7 @@ def _pool_llama(into: dict, got: dict) -> None:
         for name in ("pp", "tg"):
             samples = (old.get(f"{name}_samples") or []) + (cell.get(f"{name}_samples") or [])
             med, sd = _stats(samples)
-            fas = {f for f in (old.get(f"{name}_fa"), cell.get(f"{name}_fa")) if f}
+            fas = {f for c in (old, cell) for f in (c.get(f"{name}_fa") or "").split(",") if f}
             old.update({f"{name}_tps": med, f"{name}_tps_sd": sd, f"{name}_samples": samples,
                         f"{name}_fa": ",".join(sorted(fas)) or None})
 

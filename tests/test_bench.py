@@ -261,5 +261,11 @@ def test_rounds_alternate_and_pool_samples(tiny, tmp_path):
     lc = row["llamacpp"]
     assert lc["tg_samples"] == one["tg_samples"] * 3
     assert lc["tg_tps"] == pytest.approx(statistics.median(one["tg_samples"] * 3))
+    assert lc["tg_fa"] == one["tg_fa"]                     # the same setting won every round: named once
+    from pykv.bench import _pool_llama
+    cells = {}
+    for fa in ("off", "on", "on"):
+        _pool_llama(cells, {(1, 1, 0): {"pp_tps": None, "tg_tps": 1.0, "tg_samples": [1.0], "tg_fa": fa}})
+    assert cells[(1, 1, 0)]["tg_fa"] == "off,on" and cells[(1, 1, 0)]["tg_samples"] == [1.0] * 3
     assert_clean_error(bench(tiny, "-p", "4", "-n", "1", "-r", "1", "--rounds", "0", "--llama-bench", str(exe)),
                        "--rounds")
