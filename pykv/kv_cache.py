@@ -169,6 +169,7 @@ class KVCache:
         self._serial_keys = getattr(be.attention, "SERIAL_KEYS", 0)
         self._tmp = be.zeros((KVH, self.P, HD), np.float32)
         self._stage = {}     # "k"|"v" -> f16 rows (KVH, W + T, 2*HD) of a prefill batch and its window
+        self._fold = None    # per layer: its decode attention can run inside the chain (fold_args)
 
     def set_k_transform(self, cos, sin, sign) -> None:
         """The model's RoPE tables (n_ctx, n_rot/2) and Hadamard signs (HD,) (None: no rotation), which
@@ -183,6 +184,7 @@ class KVCache:
                 raise PykvError(f"layer {li}: a key transform is needed exactly for klt key types")
         self.k_xf = [None if m is None else tuple(self.be.to_device(np.ascontiguousarray(a, np.float32)) for a in m)
                      for m in maps]
+        self._fold = None
 
     def key_xf_id(self) -> str | None:
         """sha256 (16 hex) of the klt key transforms (None without klt layers): a state file's pages
@@ -509,6 +511,47 @@ class KVCache:
             return P * -(-n_tot // P)
         want = max(1, (CHUNKS_PER_THREAD * threads) // KVH)
         return P * max(1, -(-n_tot // (P * want)))
+
+    def fold_static(self, li: int):
+        """Layer li's part of a decode chain's attention arguments (kernels.chain.bind's kv, less what
+        the model adds): (k_pool, v_pool, the f16 ring rows (unread), kx, kx_cos, kx_sin, int64 (kcode,
+        kbits, vcode, rcode, page tokens)), and the chain's idle per-call tuple (see fold_args)."""
+        l, KVH, HD = self.layers[li], self.cfg.n_kv_heads, self.cfg.head_dim
+        km = np.array([l.k_fmt.code, l.k_bits, l.v_fmt.code, self.F16_CODE, self.P], np.int64)
+        idle = (0, 1, 0, 0, 0, False, np.zeros(1, np.int32), self._dummy_sink, self._dummy_sink,
+                np.zeros((1, KVH, HD), np.float32), np.ones((1, KVH, HD), np.float32))
+        return (l.k_pool, l.v_pool, self._dummy_res) + tuple(self._no_kx) + (km,), idle
+
+    def _foldable(self, li: int) -> bool:
+        """Layer li's decode attention is one the chain runs: keys stored after RoPE with no klt
+        transform, no KIVI ring, no f16 window (its appends and reads stay in KVCache)."""
+        l = self.layers[li]
+        return (self.be.name == "cpu" and not self.k_pre[li] and self.k_xf[li] is None
+                and "kivi" not in (l.k_fmt.kind, l.v_fmt.kind)
+                and not (self.W and (windowed(l.k_fmt) or windowed(l.v_fmt))))
+
+    def fold_args(self, seq: Sequence, chunk: int) -> list:
+        """Per layer, for the decode step of seq's next token: the per-call arguments of a chain that
+        runs the layer's attention (kernels.chain: n_past, chunk, ns_k, ns_v, li, smooth, page table,
+        K / V sink rows, key shift, key scale), or None where append / attend must run here instead:
+        a layer _foldable rules out, the sequence's first token (its keys fix the smoothing), a token
+        that lands in the f16 sink rows, a capture in progress."""
+        n_past, L = seq.n_tokens, len(self.layers)
+        fold = self._fold
+        if fold is None:
+            fold = self._fold = [self._foldable(li) for li in range(L)]
+        if self.capture is not None or n_past == 0:
+            return [None] * L
+        n_tot = n_past + 1
+        out = []
+        for li, l in enumerate(self.layers):
+            kq, vq = l.k_fmt.kind != "float", l.v_fmt.kind != "float"
+            if not fold[li] or ((kq or vq) and n_past < self.NS):
+                out.append(None)
+                continue
+            out.append((n_past, chunk, self.NS if kq else 0, self.NS if vq else 0, li, self.k_smooth[li],
+                        seq.pt_dev, self.sink(seq, li, "k"), self.sink(seq, li, "v"), seq.k_shift, seq.k_scale))
+        return out
 
     def attend(self, li: int, seq: Sequence, q: np.ndarray, n_past: int, chunk: int, part: np.ndarray,
                out: np.ndarray) -> None:

@@ -257,14 +257,18 @@ class Model:
         return self.cache.bytes_per_token()
 
     # ---- forward -----------------------------------------------------------------------------
-    def _layer(self, li: int, seq: Sequence, T: int, chunk: int = 0, chains=None) -> None:
+    def _layer(self, li: int, seq: Sequence, T: int, chunk: int = 0, chains=None, fold=None) -> None:
         """Layer li for T tokens at seq.n_tokens..; chunk: attention's keys per work item (0: picked
         here; _batch picks it once for all layers).  chains (decode, _decode_chains): chains[li] ran
-        this layer's norm and Q/K/V products; chains[li + 1] runs everything after its attention."""
+        this layer's norm and Q/K/V products, and its attention where fold[li] (KVCache.fold_args) is
+        not None; chains[li + 1] runs everything after its attention (and the next layer's)."""
         cfg, st, lw, cache = self.config, self.state, self.weights.layers[li], self.cache
         ops = self.be.ops
         vw, ad, af = st.views(T), st.act_d, st.act_ff
         x, o = vw.x, vw.o
+        if chains is not None and fold[li] is not None:     # attention ran in chains[li]
+            chains[li + 1](fold[li + 1] if li + 1 < cfg.n_layers else None)
+            return
         if chains is None:
             mq, mo, mgu, mdown = self._bound_calls(li, T, vw)
             if li == 0:
@@ -301,7 +305,7 @@ class Model:
         att3 = vw.att3
         cache.attend(li, seq, q3, n_past, chunk, part, att3)
         if chains is not None:              # this layer's tail and the next layer's head, one region
-            chains[li + 1]()
+            chains[li + 1](fold[li + 1] if li + 1 < cfg.n_layers else None)
             return
         ops.attn_out_act(att3, self.rot_sign, self.rotate, ad.x, ad.xf)
         ad.mark(T)
@@ -339,9 +343,12 @@ class Model:
             ch = []
             for b in range(L + 1):
                 t, h = (lws[b - 1] if b else None), (lws[b] if b < L else None)
+                kv, idle = self.cache.fold_static(b if b < L else 0)      # layer b's attention (ATTN)
+                kv = kv[:3] + (self.cos, self.sin, st.part) + kv[3:6] + (
+                    np.append(kv[6], cfg.rope_dims).astype(np.int64), np.array([self.q_mul], np.float32))
                 c = bind(None if t is None else (t.wo, t.w_gate, t.w_up, t.w_down, t.ffn_norm),
                          None if h is None else (h.wq, h.wk, h.wv, h.attn_norm), st.views(1), st.act_d,
-                         st.act_ff, self.rot_sign, self.rotate, cfg.norm_eps)
+                         st.act_ff, self.rot_sign, self.rotate, cfg.norm_eps, (kv, idle))
                 if c is None:
                     ch = False
                     break
@@ -358,10 +365,12 @@ class Model:
         mm.get_rows(w.token_embd, ids, st.x[:T])
         chunk = self.cache.chunk_for(seq.n_tokens + T, T, self.be.workers())
         chains = self._decode_chains() if T == 1 else None
+        fold = None
         if chains is not None:
-            chains[0]()
+            fold = self.cache.fold_args(seq, chunk)
+            chains[0](fold[0])
         for li in range(self.config.n_layers):
-            self._layer(li, seq, T, chunk, chains)
+            self._layer(li, seq, T, chunk, chains, fold)
         seq.n_tokens += T
         if not need_logits:
             return None

@@ -31,12 +31,25 @@ def tiny(request, tmp_path_factory):
     return name, str(path)
 
 
-def _decode(m, ids, chains: bool):
+def _decode(m, ids, chains: bool, fold: bool = True):
+    """Logits of a 3-token prefill, then one token a step: through the chains (fold: with the layers'
+    attention inside them, KVCache.fold_args) or the separate calls.  Returns them and how many layer
+    steps ran their attention in a chain."""
     m._chains = None if chains else False       # False: Model._decode_chains answers None
     seq = m.new_sequence()
-    out = [m.eval(seq, ids[:3])]                 # a prefill, then one token a step
-    out += [m.eval(seq, [i]) for i in ids[3:]]
-    return np.concatenate(out)
+    f0, n = m.cache.fold_args, [0]
+
+    def counted(seq, chunk):
+        a = f0(seq, chunk) if fold else [None] * m.config.n_layers
+        n[0] += sum(x is not None for x in a)
+        return a
+    m.cache.fold_args = counted
+    try:
+        out = [m.eval(seq, ids[:3])]                 # a prefill, then one token a step
+        out += [m.eval(seq, [i]) for i in ids[3:]]
+    finally:
+        del m.cache.fold_args
+    return np.concatenate(out), n[0]
 
 
 @pytest.mark.parametrize("kv", ["f16", "q4_0"])      # q4_0: a rotated cache (the chain undoes the rotation)
@@ -51,9 +64,15 @@ def test_decode_chain_equals_the_separate_calls(tiny, kv, threads):
             return
         assert m._decode_chains() is not None and len(m._chains) == m.config.n_layers + 1
         ids = [5, 77, 3, 260, 261, 9, 140, 33, 2, 250, 1, 17]
-        want, got = _decode(m, ids, False), _decode(m, ids, True)
-        np.testing.assert_array_equal(got, want)
+        want, n0 = _decode(m, ids, False)
+        got, n1 = _decode(m, ids, True)
+        apart, n2 = _decode(m, ids, True, fold=False)
+        np.testing.assert_array_equal(got, want)      # attention inside the chains
+        np.testing.assert_array_equal(apart, want)    # attention between them
         assert np.isfinite(got).all() and got.std() > 0
+        L, steps = m.config.n_layers, len(ids) - 3
+        # every decode step folds its layers' attention, but q4_0's steps whose token lands in a sink row
+        assert n0 == n2 == 0 and n1 == L * (steps if kv == "f16" else len(ids) - max(3, m.cache.NS))
     finally:
         numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
 
@@ -82,3 +101,24 @@ def test_fetch_add_is_atomic_across_threads():
     n = 200_000
     assert _count(a, n) == (n, n * (n - 1) // 2)
     assert a[0] == n
+
+
+@pytest.mark.parametrize("opts,folds", [({}, True), ({"kv_type_k": "kivi4", "kv_type_v": "kivi4"}, False),
+                                        ({"kv_type_k": "q8_0", "kv_type_v": "q8_0", "kv_window": 8}, False),
+                                        ({"kv_type_k": "q8_0", "kv_type_v": "q8_0", "kv_prerope": True}, False)])
+def test_fold_args_only_where_the_chain_covers_the_layer(tiny, opts, folds):
+    """The chain runs a layer's attention only for caches whose decode append and reads it does the same
+    way (KVCache.fold_args): not a KIVI ring, not an f16 window, not pre-RoPE keys; never a sequence's
+    first token, a sink row's token or during a key capture."""
+    name, path = tiny
+    m = pykv.load(path, n_ctx=64, **opts)
+    L, c = m.config.n_layers, m.cache
+    seq = m.new_sequence()
+    assert c.fold_args(seq, 32) == [None] * L        # the first token fixes the key smoothing
+    m.eval(seq, [5, 6, 7, 8, 9, 10])
+    fa = c.fold_args(seq, 32)
+    assert [a is not None for a in fa] == [folds] * L
+    if folds:
+        assert fa[1][:5] == (6, 32, 0, 0, 1) and fa[1][6] is seq.pt_dev
+        c.capture = object()
+        assert c.fold_args(seq, 32) == [None] * L

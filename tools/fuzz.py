@@ -502,6 +502,10 @@ def gguf_warm(workdir: Path) -> None:
         tiny_seed(p, types={"default": tt})
         for kv in ("f16", "q4_0"):
             gguf_run(str(p), kv)
+    p = workdir / "warm-seed.gguf"        # the seeds' own mix of types (its decode chain: another compile)
+    tiny_seed(p)
+    for kv in ("f16", "q4_0"):
+        gguf_run(str(p), kv)
 
 
 @target("gguf")

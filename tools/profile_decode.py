@@ -11,8 +11,9 @@ the wrappers.  Timings include each call's Python dispatch and (for parallel ker
 instead of single-token decodes; per entry point: calls and milliseconds over the whole prefill.
 -ctk / -ctv: the KV cache's key / value types (the model default rotation: on for quantized types).
 A decode step runs each layer's products after its attention as one chain call (kernels.chain, where
-every weight is an integer tile type): those show as "chain ..." rows; --no-chain times the separate
-calls instead.
+every weight is an integer tile type): those show as "chain ..." rows ("+ attn": the next layer's
+attention ran inside it); --no-chain times the separate calls instead, --no-fold keeps the chains but
+runs the attention between them.
 """
 import argparse
 import collections
@@ -63,10 +64,10 @@ def _mm_label(ws):
 
 
 def _timed(f, label, acc):
-    """f() timed under label."""
-    def g():
+    """f(...) timed under label."""
+    def g(*a):
         t0 = time.perf_counter()
-        f()
+        f(*a)
         acc[label].append(time.perf_counter() - t0)
     return g
 
@@ -78,9 +79,16 @@ def _timed_bound(b, acc):
 
 def _timed_chain(c, i, n, acc):
     """Decode chain i of n (kernels.chain), timed: the first runs the first layer's norm and Q/K/V, the
-    last the last layer's output and FFN, the others a layer's output and FFN plus the next one's Q/K/V."""
-    return _timed(c, "chain: norm, q/k/v" if i == 0 else "chain: o, ffn" if i == n - 1
-                  else "chain: o, ffn, next q/k/v", acc)
+    last the last layer's output and FFN, the others a layer's output and FFN plus the next one's Q/K/V;
+    with "+ attn" the Q/K/V layer's attention too (KVCache.fold_args)."""
+    base = ("chain: norm, q/k/v" if i == 0 else "chain: o, ffn" if i == n - 1
+            else "chain: o, ffn, next q/k/v")
+
+    def g(fa=None):
+        t0 = time.perf_counter()
+        c(fa)
+        acc[base if fa is None else base + " + attn"].append(time.perf_counter() - t0)
+    return g
 
 
 def prefill(model, seq, n, depth):
@@ -113,12 +121,16 @@ def main():
     ap.add_argument("-ctk", default="f16", help="KV cache key type")
     ap.add_argument("-ctv", default="f16", help="KV cache value type")
     ap.add_argument("--no-chain", action="store_true", help="decode through the separate calls, not kernels.chain")
+    ap.add_argument("--no-fold", action="store_true",
+                    help="each layer's attention between the chains, not inside them (KVCache.fold_args)")
     a = ap.parse_args()
     if a.prefill < 0 or a.tokens < 1 or a.depth < 0:
         ap.error("--prefill and --depth must be >= 0, --tokens >= 1")
     model = pykv.load(a.model, n_ctx=a.depth + max(a.tokens, a.prefill) + 8, kv_type_k=a.ctk, kv_type_v=a.ctv)
     if a.no_chain:
         model._chains = False           # Model._decode_chains: none
+    if a.no_fold:
+        model.cache.fold_args = lambda seq, chunk: [None] * model.config.n_layers
     seq = model.new_sequence()
     # seconds per unit (a decoded token, or the whole prefill) and the timed runs' units
     if a.prefill:

@@ -471,8 +471,8 @@ def attend(q, kpool, vpool, kres, vres, ksink, vsink, page_table, n_past, ns_k, 
             _work(q, kpool, vpool, kres, vres, ksink, vsink, page_table, n_past, ns_k, ns_v, nq_k, nq_v, wk, wv,
                   P, kcode, kbits, vcode, rcode, chunk, part, kx, cos, sin, it, C, NB, QB)
     if T * H <= 64:      # decode: a few heads, not worth a second parallel region (its launch)
-        for th in range(T * H):
-            _merge(part, C, G, th // H, th % H, out)
+        for t in range(T):
+            merge_row(part, C, G, t, out)
     else:
         for th in prange(T * H):
             _merge(part, C, G, th // H, th % H, out)
@@ -500,6 +500,14 @@ def _merge(part, C, G, t, h, out):
     inv = 1.0 / lsum
     for i in range(HD):
         out[t, h, i] *= inv
+
+
+@njit(cache=True, nogil=True, fastmath=_FM)
+def merge_row(part, C, G, t, out):
+    """out[t, h] for every head h (_merge), on the calling thread: a decode step's merge (compiled once,
+    not inlined: kernels.chain calls it too, and gets the same bits)."""
+    for h in range(out.shape[1]):
+        _merge(part, C, G, t, h, out)
 
 
 def attend_batch(q, kpool, vpool, kres, vres, ksink, vsink, page_tables, meta, P, kcode, kbits, vcode, rcode,

@@ -14,12 +14,20 @@ order from a shared counter:
     stage 5  o = swiglu @ w_down                     runs
     stage 6  x += o; rmsnorm (next attn_norm) (+ q8) 1 item  (no tail: rmsnorm of x; no head: x += o)
     stage 7  q, k, v = x @ (wq, wk, wv)              runs over the tiles of the three
+    stage 8  RoPE, smoothing, rotation (ops.qkv_prep); the K/V rows into the cache   1 item  (mode ATTN)
+    stage 9  attention over the cache: one item per (KV head, key chunk)            (mode ATTN)
+    stage 10 the chunks' partials merged into att (layer l+1's attention output)   1 item  (mode ATTN)
 
 An item waits (spinning) until the nearest non-empty earlier stage has finished every item; a product item
 that has to wait prefetches its first row tile meanwhile.  Items are claimed in increasing order and only wait on
 lower-numbered ones, each held by a running thread, so the region finishes at any thread count (one
 thread runs them in order).  Every product is the integer tile dot of the matmul kernels, so the
 results equal matmul's bit for bit.
+
+Stages 8-10 (mode ATTN: Model asks for them when the layer's cache is one they cover, KVCache.fold_args)
+run layer l+1's attention in the same region, through the functions the separate calls run (qkv_prep,
+kvquant's row append, attention's work item and merge), with the same chunks: the results are the
+same bits, and a decode step has no Python between two chains.
 
 Weight codes (compile-time literals): matmul's _KIND_ITILE_* kind (q8_0 activations), or KOFF + the
 ggml type of a K-quant tile (q8_K activations).
@@ -31,14 +39,17 @@ from numba.experimental import structref
 
 from . import matmul as M
 from .matmul import _FM, _ITILE_FMT, _KTILE_FMT, _q8_row, _q8k_row
-from .ops import add_inplace, add_rmsnorm_act_row, attn_out_act_row, rmsnorm_act_row, swiglu_act_row
+from .attention import _item as _att_item
+from .attention import merge_row
+from .kvquant import _append_row
+from .ops import add_inplace, add_rmsnorm_act_row, attn_out_act_row, qkv_prep, rmsnorm_act_row, swiglu_act_row
 from .simd import prefetch
 from .sync import fetch_add, load_acquire, spin_pause
 from .tiles import KTILE_ROWS, TILE_ROWS, dot_any_by
 
 KOFF = 100
-TAIL, HEAD = 1, 2          # mode bits: layer l's tail (stages 0-6), layer l+1's head (stages 6-7)
-N_STAGES = 8
+TAIL, HEAD, ATTN = 1, 2, 4  # mode bits: layer l's tail (stages 0-6), layer l+1's head (6-7), its attention (8-10)
+N_STAGES = 11
 SYNC = 8 * (1 + N_STAGES)
 _dot = dot_any_by(_ITILE_FMT, _KTILE_FMT, KOFF)
 
@@ -155,10 +166,39 @@ def _item(cq, ck, cv, co, cg, cu, cd, s, j0, j1, mode, eps, rotate, W, B, A, F):
                 _tile(cv, wv, sv, j - wq.shape[0] - wk.shape[0], AXQ, AXD, AXS, AXQK, AXDK, AXBK, v)
 
 
+@njit(cache=True, nogil=True, fastmath=_FM)
+def _attn(s, j0, j1, rotate, n_past, chunk, ns_k, ns_v, li, smooth, K, pt, ksink, vsink, shift, scale):
+    """Stage s (8-10) of layer l+1's attention for the token at position n_past (see chain): the same
+    calls, with the same arguments, that Model._layer / KVCache make one by one."""
+    q, k, v, kpool, vpool, kres, vres, cos, sin, sign, part, att, kx, kcos, ksin, km, qm = K
+    kcode, kbits, vcode, rcode, Pg, n_rot = km[0], km[1], km[2], km[3], km[4], km[5]
+    KVH, H, HD = k.shape[1], q.shape[1], q.shape[2]
+    G = H // KVH
+    n_tot = n_past + 1
+    C = (n_tot + chunk - 1) // chunk
+    pv = part[:KVH * C * G * (HD + 2)].reshape((1, KVH, C, G, HD + 2))
+    if s == 8:
+        qkv_prep(q, k, v, n_past, cos, sin, n_rot, True, shift[li], scale[li], smooth, sign, rotate, qm[0])
+        for i in range(KVH):
+            _append_row(k, kpool, pt, n_past, Pg, kcode, i)
+        for i in range(KVH):
+            _append_row(v, vpool, pt, n_past, Pg, vcode, i)
+    elif s == 9:
+        for it in range(j0, j1):           # attend's work item it (one query block): KV head, key chunk
+            c = it % C
+            g = it // C
+            a0 = c * chunk
+            _att_item(q, kpool, vpool, kres, vres, ksink, vsink, pt, n_past, ns_k, ns_v, n_tot, n_tot, 0, 0, Pg,
+                      kcode, kbits, vcode, rcode, g, 0, 1, a0, min(a0 + chunk, n_tot), pv, c, kx, kcos, ksin)
+    else:
+        merge_row(pv, C, G, 0, att)
+
+
 @njit(cache=True, nogil=True)
-def _plan(mode, W, split):
+def _plan(mode, W, split, n_att):
     """chain's work items: per stage its row tiles nt (1: a serial stage), items n (runs of tiles, at
-    most split a product), first item, and the nearest non-empty earlier stage (-1: none).  Outside the
+    most split a product), first item, and the nearest non-empty earlier stage (-1: none).  n_att:
+    the attention's work items (KV heads x key chunks; mode ATTN).  Outside the
     parallel function: its array constructors would each become a parallel loop of their own."""
     wq, wk, wv, wo, wg, wu, wd = W[0], W[2], W[4], W[6], W[8], W[10], W[12]
     tail = (mode & TAIL) != 0
@@ -174,9 +214,13 @@ def _plan(mode, W, split):
     nt[6] = 1
     if head:
         nt[7] = wq.shape[0] + wk.shape[0] + wv.shape[0]
-    n = np.zeros(N_STAGES, np.int64)             # items: contiguous runs of tiles
+        if mode & ATTN:
+            nt[8] = 1
+            nt[9] = n_att
+            nt[10] = 1
+    n = np.zeros(N_STAGES, np.int64)             # items: contiguous runs of tiles (products), else one each
     for s in range(N_STAGES):
-        n[s] = min(nt[s], split) if s & 1 else nt[s]
+        n[s] = min(nt[s], split) if s & 1 and s < 8 else nt[s]
     first = np.zeros(N_STAGES + 1, np.int64)     # first item of each stage
     prev = np.full(N_STAGES, -1, np.int64)       # the nearest non-empty earlier stage
     last = -1
@@ -189,7 +233,8 @@ def _plan(mode, W, split):
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def chain(cq, ck, cv, co, cg, cu, cd, mode, eps, rotate, P, split):
+def chain(cq, ck, cv, co, cg, cu, cd, mode, eps, rotate, P, split, n_past, chunk, ns_k, ns_v, li, smooth, pt,
+          ksink, vsink, shift, scale):
     """One token (row 0 of every array) through stages 0-7 above (mode: TAIL | HEAD bits), c*: the weights'
     codes.  W: (wq, sq, wk, sk, wv, sv, wo, so, wg, sg, wu, su, wd, sd): w* a weight's tiles (matmul
     Weight.qt), s* its scales (Weight.sc; any uint16 4-D array for a K-quant); B: (att (1, H, HD), sign,
@@ -198,7 +243,12 @@ def chain(cq, ck, cv, co, cg, cu, cd, mode, eps, rotate, P, split):
     and sync are the fields of P, a ChainArgs: one object to unbox per call, not ~45 arrays); sync: int64 (SYNC,) scratch: the claim
     counter and each stage's done count, 64 bytes apart; split: the threads (numba.get_num_threads(), passed
     in: calling it here would keep the function out of Numba's cache): items per product, one run of
-    row tiles each (a run keeps the tiles' prefetch-ahead inside the thread that reads them)."""
+    row tiles each (a run keeps the tiles' prefetch-ahead inside the thread that reads them).
+    Mode ATTN, stages 8-10 (P.K: q3, k3, v3, the layer's K / V pools, the f16 ring (unread), cos, sin,
+    sign, part (flat), att3, the no-pre-RoPE kx / cos / sin, int64 (kcode, kbits, vcode, rcode, page
+    tokens, n_rot), float32 (qmul,)): the token at n_past (chunk: keys per attention item; ns_k / ns_v
+    sink rows read; li: the row of shift / scale, the sequence's key smoothing (smooth: applied); pt: its
+    page table; ksink / vsink: its sink rows); without ATTN those are not read."""
     literally(cq)
     literally(ck)
     literally(cv)
@@ -206,8 +256,8 @@ def chain(cq, ck, cv, co, cg, cu, cd, mode, eps, rotate, P, split):
     literally(cg)
     literally(cu)
     literally(cd)
-    W, B, A, F, sync = P.W, P.B, P.A, P.F, P.sync
-    nt, n, first, prev = _plan(mode, W, split)
+    W, B, A, F, K, sync = P.W, P.B, P.A, P.F, P.K, P.sync
+    nt, n, first, prev = _plan(mode, W, split, K[3].shape[0] * ((n_past + chunk) // chunk))
     total = first[N_STAGES]
     for s in range(SYNC):
         sync[s] = 0
@@ -227,7 +277,10 @@ def chain(cq, ck, cv, co, cg, cu, cd, mode, eps, rotate, P, split):
                 _warm_item(s, j0, W)
                 while load_acquire(sync, 8 + 8 * p) < n[p]:
                     spin_pause()
-            _item(cq, ck, cv, co, cg, cu, cd, s, j0, j1, mode, eps, rotate, W, B, A, F)
+            if s >= 8:      # through a function pointer: one compiled attention for every chain (bind)
+                P.fn.f(s, j0, j1, rotate, n_past, chunk, ns_k, ns_v, li, smooth, K, pt, ksink, vsink, shift, scale)
+            else:
+                _item(cq, ck, cv, co, cg, cu, cd, s, j0, j1, mode, eps, rotate, W, B, A, F)
             fetch_add(sync, 8 + 8 * s, 1)
 
 
@@ -242,14 +295,49 @@ class ChainArgsType(types.StructRef):
 
 
 class ChainArgs(structref.StructRefProxy):
-    """chain's arrays (W, B, A, F: tuples, sync) in one Numba struct: a call unboxes one object
-    (0.9 us) instead of ~45 arrays (4 us, 31 calls a token)."""
+    """chain's arrays (W, B, A, F, K: tuples, sync) and its attention (fn: an AttnFn) in one Numba
+    struct: a call unboxes one object (0.9 us) instead of ~60 arrays (4 us, 31 calls a token)."""
 
-    def __new__(cls, W, B, A, F, sync):
-        return structref.StructRefProxy.__new__(cls, W, B, A, F, sync)
+    def __new__(cls, W, B, A, F, K, fn, sync):
+        return structref.StructRefProxy.__new__(cls, W, B, A, F, K, fn, sync)
 
 
-structref.define_proxy(ChainArgs, ChainArgsType, ["W", "B", "A", "F", "sync"])
+structref.define_proxy(ChainArgs, ChainArgsType, ["W", "B", "A", "F", "K", "fn", "sync"])
+
+
+@structref.register
+class AttnFnType(types.StructRef):
+    def preprocess_fields(self, fields):
+        return tuple((name, types.unliteral(t)) for name, t in fields)
+
+
+class AttnFn(structref.StructRefProxy):
+    """_attn as a first-class function (field f: a FunctionType, a pointer to its compiled code).  chain
+    calls stages 8-10 through it: called directly, every chain specialization (one per mix of weight
+    types) would link and compile its own copy of the attention (~40 s each, Zen 3); through the
+    pointer it is compiled once, for all of them."""
+
+    def __new__(cls, f):
+        return structref.StructRefProxy.__new__(cls, f)
+
+
+structref.define_proxy(AttnFn, AttnFnType, ["f"])
+
+
+def _make_fn(f):
+    return AttnFn(f)
+
+
+_FN_MAKERS = {}
+
+
+def attn_fn(example):
+    """An AttnFn for _attn with the argument types of example (a call's arguments)."""
+    sig = types.void(*(types.unliteral(numba.typeof(a)) for a in example))
+    mk = _FN_MAKERS.get(sig)
+    if mk is None:      # a constructor taking _attn as that FunctionType (the dispatcher converts once)
+        mk = _FN_MAKERS[sig] = njit((types.FunctionType(sig),), cache=True)(_make_fn)
+    return mk(_attn)
 
 
 def code(w) -> int | None:
@@ -269,29 +357,40 @@ def enabled() -> bool:
 
 class Chain:
     """chain() bound to one layer boundary: the tail of layer l (wo, w_gate, w_up, w_down, ffn_norm) and
-    the head of layer l + 1 (wq, wk, wv, attn_norm), either may be None; arguments fixed at bind."""
+    the head of layer l + 1 (wq, wk, wv, attn_norm), either may be None; arguments fixed at bind.
+    Called with fa (KVCache.fold_args: n_past, chunk, ns_k, ns_v, li, smooth, pt, ksink, vsink, shift,
+    scale), it runs layer l+1's attention too (mode ATTN); without, it reads idle: arguments of the
+    same types (one compiled chain serves both)."""
 
-    __slots__ = ("lits", "args", "entry")
+    __slots__ = ("lits", "args", "idle", "entry")
 
-    def __init__(self, lits, args):
-        self.lits, self.args, self.entry = lits, args, None
+    def __init__(self, lits, args, idle):
+        self.lits, self.args, self.idle, self.entry = lits, args, idle, None
 
-    def __call__(self) -> None:
+    def __call__(self, fa=None) -> None:
+        mode, eps, rotate, P = self.args
+        if fa is None:
+            fa = self.idle
+        else:
+            mode |= ATTN
         if self.entry is None:      # compiles or loads chain for these codes, then keeps its entry point
-            M._call_kind(chain, self.lits, *self.args, numba.get_num_threads())
+            M._call_kind(chain, self.lits, mode, eps, rotate, P, numba.get_num_threads(), *fa)
             self.entry = M._SPECIALIZED.get((chain, self.lits))
             return
-        self.entry(*self.lits, *self.args, numba.get_num_threads())
+        self.entry(*self.lits, mode, eps, rotate, P, numba.get_num_threads(), *fa)
 
 
 _NO_SC = np.zeros((1, 1, 1, 1), np.uint16)      # a K-quant weight's (unread) scales argument
 
 
-def bind(tail, head, views, act_d, act_ff, sign, rotate: bool, eps: float):
+def bind(tail, head, views, act_d, act_ff, sign, rotate: bool, eps: float, kv):
     """A Chain for one token, or None when a weight is not one the chain runs (code).  tail: (wo,
     w_gate, w_up, w_down, ffn_norm) or None; head: (wq, wk, wv, attn_norm) or None; views: the run
     state's one-token rows (model.Views: x, q, k, v, o, g, u, att3); act_d, act_ff: matmul.Act of
-    widths D and FF; sign: the rotation signs (rotate: undo it on the attention output)."""
+    widths D and FF; sign: the rotation signs (rotate: undo it on the attention output).  kv: the head
+    layer's attention (any layer's where there is no head): (k_pool, v_pool, the f16 ring rows, cos,
+    sin, part (flat), kx, kx_cos, kx_sin, int64 (kcode, kbits, vcode, rcode, page tokens, n_rot),
+    float32 (qmul,)) and the idle per-call tuple (see Chain)."""
     if tail is None and head is None:
         return None
     t = tail if tail is not None else (head[0],) * 4 + (head[3],)
@@ -308,4 +407,8 @@ def bind(tail, head, views, act_d, act_ff, sign, rotate: bool, eps: float):
     B = (v.att3, sign, v.x, t[4], h[3], v.q, v.k, v.v, v.o, v.g, v.u)
     A = (a.x, a.xq, a.xd, a.xs, a.xf, a.xqk, a.xdk, a.xbk)
     F = (f.x, f.xq, f.xd, f.xs, f.xf, f.xqk, f.xdk, f.xbk)
-    return Chain(codes, (mode, np.float32(eps), bool(rotate), ChainArgs(W, B, A, F, np.zeros(SYNC, np.int64))))
+    (kpool, vpool, kres, cos, sin, part, kx, kcos, ksin, km, qm), idle = kv
+    K = (v.q3, v.k3, v.v3, kpool, vpool, kres, kres, cos, sin, sign, part, v.att3, kx, kcos, ksin, km, qm)
+    fn = attn_fn((8, 0, 1, bool(rotate)) + idle[:6] + (K,) + idle[6:])   # _attn's argument order
+    return Chain(codes, (mode, np.float32(eps), bool(rotate),
+                         ChainArgs(W, B, A, F, K, fn, np.zeros(SYNC, np.int64))), idle)

@@ -9,5 +9,5 @@ def enabled() -> bool:
     return False
 
 
-def bind(tail, head, views, act_d, act_ff, sign, rotate: bool, eps: float):
+def bind(tail, head, views, act_d, act_ff, sign, rotate: bool, eps: float, kv):
     return None
