@@ -512,15 +512,17 @@ class KVCache:
         want = max(1, (CHUNKS_PER_THREAD * threads) // KVH)
         return P * max(1, -(-n_tot // (P * want)))
 
-    def fold_static(self, li: int):
-        """Layer li's part of a decode chain's attention arguments (kernels.chain.bind's kv, less what
-        the model adds): (k_pool, v_pool, the f16 ring rows (unread), kx, kx_cos, kx_sin, int64 (kcode,
-        kbits, vcode, rcode, page tokens)), and the chain's idle per-call tuple (see fold_args)."""
+    def fold_static(self, li: int, cos, sin, part, n_rot: int, qmul):
+        """Layer li's decode-chain attention arguments (kernels.chain.bind's kv): (k_pool, v_pool, the
+        f16 ring rows (unread), the model's RoPE tables cos / sin, its part scratch (flat), kx, kx_cos,
+        kx_sin, int64 (kcode, kbits, vcode, rcode, page tokens, n_rot), float32 (qmul,)), and the
+        chain's idle per-call tuple (see fold_args)."""
         l, KVH, HD = self.layers[li], self.cfg.n_kv_heads, self.cfg.head_dim
-        km = np.array([l.k_fmt.code, l.k_bits, l.v_fmt.code, self.F16_CODE, self.P], np.int64)
+        km = np.array([l.k_fmt.code, l.k_bits, l.v_fmt.code, self.F16_CODE, self.P, n_rot], np.int64)
         idle = (0, 1, 0, 0, 0, False, np.zeros(1, np.int32), self._dummy_sink, self._dummy_sink,
                 np.zeros((1, KVH, HD), np.float32), np.ones((1, KVH, HD), np.float32))
-        return (l.k_pool, l.v_pool, self._dummy_res) + tuple(self._no_kx) + (km,), idle
+        return ((l.k_pool, l.v_pool, self._dummy_res, cos, sin, part) + tuple(self._no_kx)
+                + (km, np.array([qmul], np.float32))), idle
 
     def _foldable(self, li: int) -> bool:
         """Layer li's decode attention is one the chain runs: keys stored after RoPE with no klt
@@ -542,7 +544,6 @@ class KVCache:
             fold = self._fold = [self._foldable(li) for li in range(L)]
         if self.capture is not None or n_past == 0:
             return [None] * L
-        n_tot = n_past + 1
         out = []
         for li, l in enumerate(self.layers):
             kq, vq = l.k_fmt.kind != "float", l.v_fmt.kind != "float"

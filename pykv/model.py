@@ -343,12 +343,11 @@ class Model:
             ch = []
             for b in range(L + 1):
                 t, h = (lws[b - 1] if b else None), (lws[b] if b < L else None)
-                kv, idle = self.cache.fold_static(b if b < L else 0)      # layer b's attention (ATTN)
-                kv = kv[:3] + (self.cos, self.sin, st.part) + kv[3:6] + (
-                    np.append(kv[6], cfg.rope_dims).astype(np.int64), np.array([self.q_mul], np.float32))
+                kv = self.cache.fold_static(b if b < L else 0, self.cos, self.sin, st.part, cfg.rope_dims,
+                                            self.q_mul)           # layer b's attention (mode ATTN)
                 c = bind(None if t is None else (t.wo, t.w_gate, t.w_up, t.w_down, t.ffn_norm),
                          None if h is None else (h.wq, h.wk, h.wv, h.attn_norm), st.views(1), st.act_d,
-                         st.act_ff, self.rot_sign, self.rotate, cfg.norm_eps, (kv, idle))
+                         st.act_ff, self.rot_sign, self.rotate, cfg.norm_eps, kv)
                 if c is None:
                     ch = False
                     break
