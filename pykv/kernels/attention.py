@@ -185,6 +185,13 @@ def _accum(px, vt, n, ax):
 # ----------------------------------------------------------------------------------------------
 
 @njit(cache=True, nogil=True, fastmath=_FM)
+def _deq(code, src, o0, rb, n, out):
+    """blocks.deq_rows built once with this module's fast-math flags and called, not inlined, from
+    _item's eight tile sites: inlined there, its format switch made attend alone take 4 min to compile."""
+    deq_rows(code, src, o0, rb, n, out)
+
+
+@njit(cache=True, nogil=True, fastmath=_FM)
 def _quant_q16(qb, xq, xd):
     """The query rows qb (R, HD) as int16 blocks of 32 for kvdot's scores: xq = rint(qb / xd) with
     xd = amax / 32767 per block (xq with no columns: nothing to do).  16 bits, not llama.cpp's 8-bit
@@ -321,9 +328,9 @@ def _item(q, kpool, vpool, kres, vres, ksink, vsink, page_table, n_past, ns_k, n
                     prefetch(vp, o)
         # ---- K tile
         if j < ns_k:                                 # attention-sink tokens: exact f16 copies
-            deq_rows(rcode, ksink[g].reshape(NS * rbr), j * rbr, rbr, n, kt)
+            _deq(rcode, ksink[g].reshape(NS * rbr), j * rbr, rbr, n, kt)
         elif j >= nq_k or (wk > 0 and j >= whi_k):
-            deq_rows(rck, kres[g].reshape(RING * rbk_r), (j % RING) * rbk_r, rbk_r, n, kt)
+            _deq(rck, kres[g].reshape(RING * rbk_r), (j % RING) * rbk_r, rbk_r, n, kt)
         elif kbits > 0:
             deq_kivi_k_rows(kbits, kpool[g, page], sp, n, kt, dk, mk)
         elif kq8 and not (wk > 0 and j >= wlo_k):
@@ -336,10 +343,10 @@ def _item(q, kpool, vpool, kres, vres, ksink, vsink, page_table, n_past, ns_k, n
                 scores_q8_0_1(kpool[g, page], sp * rbk, rbk, n, xq, xd, s, x)
                 x += 1
         else:
-            deq_rows(kcode, kpool[g, page], sp * rbk, rbk, n, kt)
+            _deq(kcode, kpool[g, page], sp * rbk, rbk, n, kt)
             if wk > 0 and j >= wlo_k:
                 kmix = True
-                deq_rows(rck, kres[g].reshape(RING * rbk_r), (j % RING) * rbk_r, rbk_r, n, kt2)
+                _deq(rck, kres[g].reshape(RING * rbk_r), (j % RING) * rbk_r, rbk_r, n, kt2)
         if kx.shape[0] > 0:                          # pre-RoPE keys: back to roped keys
             _unpre(kt, n, j, g, KVH, kx, cos, sin)
             if kmix:                                 # the window's ring rows: the same keys, same map
@@ -381,9 +388,9 @@ def _item(q, kpool, vpool, kres, vres, ksink, vsink, page_table, n_past, ns_k, n
             lrow[x] += ls
         # ---- V tile
         if j < ns_v:
-            deq_rows(rcode, vsink[g].reshape(NS * rbr), j * rbr, rbr, n, vt)
+            _deq(rcode, vsink[g].reshape(NS * rbr), j * rbr, rbr, n, vt)
         elif j >= nq_v or (wv > 0 and j >= whi_v):
-            deq_rows(rcv, vres[g].reshape(RINGV * rbv_r), (j % RINGV) * rbv_r, rbv_r, n, vt)
+            _deq(rcv, vres[g].reshape(RINGV * rbv_r), (j % RINGV) * rbv_r, rbv_r, n, vt)
         elif vq8 and not (wv > 0 and j >= wlo_v):
             vint = True
             x = xlo
@@ -394,10 +401,10 @@ def _item(q, kpool, vpool, kres, vres, ksink, vsink, page_table, n_past, ns_k, n
                 accum_q8_0_1(vpool[g, page], sp * rbv, rbv, n, s, x, acc)
                 x += 1
         else:
-            deq_rows(vcode, vpool[g, page], sp * rbv, rbv, n, vt)
+            _deq(vcode, vpool[g, page], sp * rbv, rbv, n, vt)
             if wv > 0 and j >= wlo_v:
                 vmix = True
-                deq_rows(rcv, vres[g].reshape(RINGV * rbv_r), (j % RINGV) * rbv_r, rbv_r, n, vt2)
+                _deq(rcv, vres[g].reshape(RINGV * rbv_r), (j % RINGV) * rbv_r, rbv_r, n, vt2)
         for x in range(0 if vint else R):
             if lim[x] <= j:
                 continue
