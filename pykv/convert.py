@@ -120,13 +120,13 @@ def encode(x: np.ndarray, qt: QT, backend: str | None = None, qw: np.ndarray | N
         return x.astype(np.float16)
     if qt == QT.BF16:
         return gguf.quants.quantize(x, QT.BF16)
+    if not x.flags.writeable:   # a read-only array (a GGUF memmap) is another Numba type: one compiled
+        x = x.copy()            # quantizer, not two (~45 s each on Zen 3)
     name = _type_name(qt)
     from pykv.kernels import quantize_k as K
     imat = qw is not None and int(qt) in K.LEGACY_BLOCK_BYTES
     if int(qt) in K.BLOCK_BYTES or imat:
         x2 = x.reshape(-1, x.shape[-1])
-        if not x2.flags.writeable:     # a read-only array (a GGUF memmap) is another Numba type: one
-            x2 = x2.copy()             # compiled quantizer, not two (~45 s each on Zen 3)
         dst = np.empty((x2.shape[0], _row_bytes(qt, x2.shape[1])), dtype=np.uint8)
         w = np.zeros(0, np.float32) if qw is None else np.ascontiguousarray(qw, np.float32)
         (K.quantize_rows_legacy_imat if imat else K.quantize_rows_k)(int(qt), x2, w, dst)
@@ -138,8 +138,6 @@ def encode(x: np.ndarray, qt: QT, backend: str | None = None, qw: np.ndarray | N
     if use_numba:
         quantize_rows, codes = nq
         x2 = x.reshape(-1, x.shape[-1])
-        if not x2.flags.writeable:     # a read-only array (a GGUF memmap) is another Numba type: one
-            x2 = x2.copy()             # compiled quantizer, not two (~45 s each on Zen 3)
         dst = np.empty((x2.shape[0], _row_bytes(qt, x2.shape[1])), dtype=np.uint8)
         quantize_rows(codes[name], x2, dst)
         return dst.reshape(*x.shape[:-1], dst.shape[-1])

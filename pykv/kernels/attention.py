@@ -6,8 +6,8 @@ G heads).  Keys are walked in segments of at most TILE tokens that stay inside o
 side of the quantized / f16-residual boundary).  Per segment:
 
   1. the segment's K rows are decoded ONCE into a small f32 tile (L1-resident, TILE x HD) by
-     kernels.blocks.deq_rows (one format dispatch per segment, not per row; inlined, so it is built
-     with this module's fast-math flags);
+     kernels.blocks.deq_rows (one format dispatch per segment, not per row), through _deq: deq_rows
+     built with this module's fast-math flags, one function called from every tile site;
   2. scores s[row, r] = dot(q[row], K[r]) for every query row (the decode work is shared by the
      G heads and, in prefill, by the TB query tokens);
   3. online softmax per query row, rescaling (m, l, acc) once per segment, p = exp(s - m) by a
@@ -38,8 +38,8 @@ RoPE, Hadamard-rotated; each decoded K tile is mapped back (inverse rotation, * 
 at its positions before the scores, so the queries are plain roped queries (KVQuant's pre-RoPE keys:
 the per-channel statistics of unroped keys are stable, those of roped keys are smeared by position).
 
-deq_rows (blocks.py) and the kvdot intrinsics are inlined here: Numba's cache folder is named by a hash of
-every kernel source (kernels/__init__.py), so an edit there recompiles this module too.
+deq_rows (blocks.py, inside _deq) and the kvdot intrinsics are inlined here: Numba's cache folder is named by
+a hash of every kernel source (kernels/__init__.py), so an edit there recompiles this module too.
 """
 import numpy as np
 from numba import njit, prange
