@@ -267,7 +267,7 @@ class Model:
         vw, ad, af = st.views(T), st.act_d, st.act_ff
         x, o = vw.x, vw.o
         if chains is not None and fold[li] is not None:     # attention ran in chains[li]
-            chains[li + 1](fold[li + 1] if li + 1 < cfg.n_layers else None)
+            chains[li + 1](fold[li + 1])
             return
         if chains is None:
             mq, mo, mgu, mdown = self._bound_calls(li, T, vw)
@@ -305,7 +305,7 @@ class Model:
         att3 = vw.att3
         cache.attend(li, seq, q3, n_past, chunk, part, att3)
         if chains is not None:              # this layer's tail and the next layer's head, one region
-            chains[li + 1](fold[li + 1] if li + 1 < cfg.n_layers else None)
+            chains[li + 1](fold[li + 1])
             return
         ops.attn_out_act(att3, self.rot_sign, self.rotate, ad.x, ad.xf)
         ad.mark(T)
@@ -366,7 +366,7 @@ class Model:
         chains = self._decode_chains() if T == 1 else None
         fold = None
         if chains is not None:
-            fold = self.cache.fold_args(seq, chunk)
+            fold = self.cache.fold_args(seq, chunk) + [None]    # [L]: the last chain has no next layer
             chains[0](fold[0])
         for li in range(self.config.n_layers):
             self._layer(li, seq, T, chunk, chains, fold)

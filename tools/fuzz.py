@@ -497,15 +497,12 @@ def gguf_warm(workdir: Path) -> None:
     """Compile (or load from Numba's cache) the kernels of every weight type a mutated seed can name, so
     a valid type swap does not spend the case's time budget compiling."""
     from gguf import GGMLQuantizationType as T
-    for tt in (T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1):
-        p = workdir / f"warm-{tt.name}.gguf"
-        tiny_seed(p, types={"default": tt})
+    # each type alone, then the seeds' own mix of types (None: its decode chain is another compile)
+    for tt in (T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, None):
+        p = workdir / f"warm-{tt.name if tt is not None else 'seed'}.gguf"
+        tiny_seed(p, types=None if tt is None else {"default": tt})
         for kv in ("f16", "q4_0"):
             gguf_run(str(p), kv)
-    p = workdir / "warm-seed.gguf"        # the seeds' own mix of types (its decode chain: another compile)
-    tiny_seed(p)
-    for kv in ("f16", "q4_0"):
-        gguf_run(str(p), kv)
 
 
 @target("gguf")
