@@ -148,35 +148,64 @@ def _scores3(q0, q1, q2, kt, n, s0, s1, s2):
 
 @njit(cache=True, fastmath=_FM, inline="always")
 def _accum(px, vt, n, ax):
-    """ax += sum_r px[r] * vt[r] for r < n: eight keys per pass over ax (one load/store of ax)."""
+    """ax += sum_r px[r] * vt[r] for r < n: four keys per pass over ax (one load/store of ax), summed
+    in _accum2's order."""
     HD = ax.shape[0]
     r = 0
-    while r + 8 <= n:
+    while r + 4 <= n:
         p0 = px[r]
         p1 = px[r + 1]
         p2 = px[r + 2]
         p3 = px[r + 3]
-        p4 = px[r + 4]
-        p5 = px[r + 5]
-        p6 = px[r + 6]
-        p7 = px[r + 7]
         v0 = vt[r]
         v1 = vt[r + 1]
         v2 = vt[r + 2]
         v3 = vt[r + 3]
-        v4 = vt[r + 4]
-        v5 = vt[r + 5]
-        v6 = vt[r + 6]
-        v7 = vt[r + 7]
         for i in range(HD):
-            ax[i] += (((p0 * v0[i] + p1 * v1[i]) + (p2 * v2[i] + p3 * v3[i]))
-                      + ((p4 * v4[i] + p5 * v5[i]) + (p6 * v6[i] + p7 * v7[i])))
-        r += 8
+            ax[i] += (p0 * v0[i] + p1 * v1[i]) + (p2 * v2[i] + p3 * v3[i])
+        r += 4
     while r < n:
         p0 = px[r]
         v0 = vt[r]
         for i in range(HD):
             ax[i] += p0 * v0[i]
+        r += 1
+
+
+@njit(cache=True, fastmath=_FM, inline="always")
+def _accum2(p0, p1, vt, n, a0, a1):
+    """_accum for two query rows at once: each V row is loaded once for both (SmolLM2, 24 rows x 32
+    keys, one thread, Zen 3: 2.0-2.1 us against 2.5-2.8 for one row at a time, eight keys a pass)."""
+    HD = a0.shape[0]
+    r = 0
+    while r + 4 <= n:
+        x0 = p0[r]
+        x1 = p0[r + 1]
+        x2 = p0[r + 2]
+        x3 = p0[r + 3]
+        y0 = p1[r]
+        y1 = p1[r + 1]
+        y2 = p1[r + 2]
+        y3 = p1[r + 3]
+        v0 = vt[r]
+        v1 = vt[r + 1]
+        v2 = vt[r + 2]
+        v3 = vt[r + 3]
+        for i in range(HD):
+            u0 = v0[i]
+            u1 = v1[i]
+            u2 = v2[i]
+            u3 = v3[i]
+            a0[i] += (x0 * u0 + x1 * u1) + (x2 * u2 + x3 * u3)
+            a1[i] += (y0 * u0 + y1 * u1) + (y2 * u2 + y3 * u3)
+        r += 4
+    while r < n:
+        v0 = vt[r]
+        x0 = p0[r]
+        y0 = p1[r]
+        for i in range(HD):
+            a0[i] += x0 * v0[i]
+            a1[i] += y0 * v0[i]
         r += 1
 
 
@@ -405,16 +434,19 @@ def _item(q, kpool, vpool, kres, vres, ksink, vsink, page_table, n_past, ns_k, n
             if wv > 0 and j >= wlo_v:
                 vmix = True
                 _deq(rcv, vres[g].reshape(RINGV * rbv_r), (j % RINGV) * rbv_r, rbv_r, n, vt2)
-        for x in range(0 if vint else R):
-            if lim[x] <= j:
-                continue
-            if vmix:
+        if vmix:
+            for x in range(xlo, R):
                 m1 = min(max(lim[x] - wv - j, 0), n)
                 if m1 > 0:
                     _accum(s[x], vt, m1, acc[x])
                 if n > m1:
                     _accum(s[x, m1:], vt2[m1:], n - m1, acc[x])
-            else:
+        elif not vint:               # rows xlo.. see the segment (their p past their causal end are 0)
+            x = xlo
+            while x + 2 <= R:
+                _accum2(s[x], s[x + 1], vt, n, acc[x], acc[x + 1])
+                x += 2
+            if x < R:
                 _accum(s[x], vt, n, acc[x])
         j = e
     for tb in range(TB):
