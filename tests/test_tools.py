@@ -93,3 +93,76 @@ def test_compile_note_once_and_compile_time_excluded():
         assert jitnote.compile_seconds() == c1
     finally:
         jitnote._state.update({k: old[k] for k in ("said", "stream")})
+
+
+_CACHED_MOD = """
+from numba import njit
+@njit(cache=True)
+def f(x):
+    return x * 3 + 1
+"""
+
+_LOAD_PROBE = """
+import io, sys
+sys.path.insert(0, sys.argv[1])
+from pykv.kernels import jitnote
+buf = io.StringIO()
+jitnote.install(buf)
+c0 = jitnote.compile_seconds()
+import cachedmod
+assert cachedmod.f(2) == 7
+print(jitnote.compile_seconds() - c0, repr(buf.getvalue()), cachedmod.f.stats.cache_hits.total())
+"""
+
+
+def test_cache_load_time_excluded_without_a_note(tmp_path):
+    """A warm run: loading a kernel from Numba's cache prints no compile note, and its seconds are
+    excluded from the tokens/s like a compile's (else a warm `pykv run` reported a third of its speed)."""
+    import os
+    import subprocess
+    import sys
+    (tmp_path / "cachedmod.py").write_text(_CACHED_MOD)
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "nc"))
+    run = [sys.executable, "-c", _LOAD_PROBE, str(tmp_path)]
+    cold = subprocess.run(run, env=env, capture_output=True, text=True, timeout=300)
+    warm = subprocess.run(run, env=env, capture_output=True, text=True, timeout=300)
+    assert cold.returncode == 0 and warm.returncode == 0, cold.stderr + warm.stderr
+    secs, note, hits = warm.stdout.split(" ", 2)
+    assert hits.strip() == "1"                   # the warm run loaded f from the cache
+    assert float(secs) > 0.0 and note == "''"    # timed, and no "compiling" line
+    assert "compiling kernels" in cold.stdout     # the cold run compiled it, and said so
+
+
+def test_literal_kernels_compile_only_their_literal_signature():
+    """matmul._call_kind compiles (or loads) a literally() kernel's literal signature directly: a plain
+    first call typed it with int64 first (Numba's untyped passes and inlining, ~1 s a kernel in every
+    process, warm cache or not) only to retry with the literals."""
+    import numpy as np
+    from numba import literally, njit
+    from numba.core import event
+
+    from pykv.kernels import matmul as M
+
+    @njit
+    def k(kind, x):
+        literally(kind)
+        return x * kind
+
+    seen = []
+
+    class Rec(event.Listener):
+        def on_start(self, ev):
+            if ev.data["dispatcher"] is k:
+                seen.append(ev.data["args"])
+
+        def on_end(self, ev):
+            pass
+
+    rec = Rec()
+    event.register("numba:compile", rec)
+    try:
+        assert M._call_kind(k, 3, np.float32(2.0)) == 6.0
+        assert M._call_kind(k, 3, np.float32(1.5)) == 4.5      # the kept entry point
+    finally:
+        event.unregister("numba:compile", rec)
+    assert len(seen) == 1 and "Literal[int](3)" in str(seen[0]), seen

@@ -305,6 +305,13 @@ class ChainArgs(structref.StructRefProxy):
 structref.define_proxy(ChainArgs, ChainArgsType, ["W", "B", "A", "F", "K", "fn", "sync"])
 
 
+@njit(cache=True)
+def _chain_args(W, B, A, F, K, fn, sync):
+    """ChainArgs(...) through a cached constructor: the proxy's own (StructRefProxy.__new__) is compiled
+    in every process, ~3 s for these ~60 array fields."""
+    return ChainArgs(W, B, A, F, K, fn, sync)
+
+
 @structref.register
 class AttnFnType(types.StructRef):
     def preprocess_fields(self, fields):
@@ -411,4 +418,4 @@ def bind(tail, head, views, act_d, act_ff, sign, rotate: bool, eps: float, kv):
     K = (v.q3, v.k3, v.v3, kpool, vpool, kres, kres, cos, sin, sign, part, v.att3, kx, kcos, ksin, km, qm)
     fn = attn_fn((8, 0, 1, bool(rotate)) + idle[:6] + (K,) + idle[6:])   # _attn's argument order
     return Chain(codes, (mode, np.float32(eps), bool(rotate),
-                         ChainArgs(W, B, A, F, K, fn, np.zeros(SYNC, np.int64))), idle)
+                         _chain_args(W, B, A, F, K, fn, np.zeros(SYNC, np.int64))), idle)

@@ -2,12 +2,14 @@
 
 numba's "numba:compile" event fires only on a real compile, never on a cache load, so the note is
 printed only when there is something to wait for.  install() once per process (the CLI does);
-compile_seconds() is the wall time spent in top-level compiles so far, which generate() subtracts from
-its tokens/s figures.
+compile_seconds() is the wall time spent in top-level compiles so far, plus the time spent loading
+compiled kernels from Numba's cache (the first call of each kernel in a process: ~1 s in all for a warm
+`pykv run`, most of it Numba's one-time setup), which generate() subtracts from its tokens/s figures.
 """
 import threading
 import time
 
+from numba.core import caching as _caching
 from numba.core import event as _ev
 
 _lock = threading.Lock()
@@ -33,13 +35,30 @@ class _Note(_ev.Listener):
                 _state["total"] += time.perf_counter() - _state["t0"]
 
 
+def _timed_load(load):
+    """Cache.load_overload, its wall time added to the compile total (outside a compile: a load inside
+    one is already in that compile's time)."""
+    def load_overload(self, sig, target_context):
+        with _lock:
+            outer = _state["depth"] == 0
+        t0 = time.perf_counter()
+        try:
+            return load(self, sig, target_context)
+        finally:
+            if outer:
+                with _lock:
+                    _state["total"] += time.perf_counter() - t0
+    return load_overload
+
+
 def install(stream=None) -> None:
-    """Track compile time; with a stream (sys.stderr), also print one line at the first compile."""
+    """Track compile (and cache load) time; with a stream (sys.stderr), also print one line at the first compile."""
     with _lock:
         if stream is not None:
             _state["stream"] = stream
         if not _state["installed"]:
             _ev.register("numba:compile", _Note())
+            _caching.Cache.load_overload = _timed_load(_caching.Cache.load_overload)
             _state["installed"] = True
 
 

@@ -53,7 +53,7 @@ share of the row tiles to a float32 W^T chunk and calling a single-threaded sgem
 from __future__ import annotations
 
 import numpy as np
-from numba import literally, njit, prange
+from numba import literally, njit, prange, types
 import numba
 
 from gguf import GGMLQuantizationType as _GT
@@ -668,13 +668,13 @@ def _call_kind(disp, kind, *args):
     dispatcher would redo its literal retry, milliseconds, on every call)."""
     lits = kind if isinstance(kind, tuple) else (kind,)
     f = _SPECIALIZED.get((disp, lits))
-    if f is not None:
-        return f(*lits, *args)
-    disp(*lits, *args)          # compiles or loads the specialization for these literals
-    for sig, cres in disp.overloads.items():
-        if tuple(getattr(a, "literal_value", None) for a in sig[:len(lits)]) == lits:
-            _SPECIALIZED[disp, lits] = cres.entry_point
-            break
+    if f is None:
+        # compile (or load from the cache) the literal signature at once: a plain call would first type
+        # the kernel with int64 kinds, run Numba's untyped passes and inlining (~1 s a kernel, in every
+        # process, cache or not) only to hit literally() and retry with the literals
+        sig = tuple(types.literal(k) for k in lits) + tuple(disp.typeof_pyval(a) for a in args)
+        f = _SPECIALIZED[disp, lits] = disp.compile(sig)
+    return f(*lits, *args)
 
 
 _ITILE_TB = 16      # prefill: tokens per work item (a tile's weights stay in L1/L2 across them)
