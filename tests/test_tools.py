@@ -166,3 +166,56 @@ def test_literal_kernels_compile_only_their_literal_signature():
     finally:
         event.unregister("numba:compile", rec)
     assert len(seen) == 1 and "Literal[int](3)" in str(seen[0]), seen
+
+
+ZEN3 = {"avx2", "fma", "f16c"}
+ZEN4 = ZEN3 | {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"}
+ZEN5 = ZEN4 | {"avx_vnni"}
+
+
+def test_class_table_classes_a_host_runs():
+    """AVX-VNNI (VEX) is its own CPUID flag: a Zen 4 runs AVX-512 VNNI code but not the avxvnni class's."""
+    ct = _tool("class_table")
+    assert ct.runnable_classes(ZEN3) == ["avx2"]
+    assert ct.runnable_classes(ZEN4) == ["avx2", "avx512vnni"]
+    assert ct.runnable_classes(ZEN5) == ["avx2", "avxvnni", "avx512vnni"]
+    assert ct.runnable_classes({"avx2"}) == []                 # no FMA / F16C: not even the avx2 class
+    assert ct.class_env("avx512vnni", "avx512vnni", {}) == {}  # the host's own class: no override
+    assert ct.class_env("avxvnni", "avx512vnni", {"avxvnni": "alderlake"}) == {
+        "NUMBA_CPU_NAME": "alderlake", "NUMBA_CPU_FEATURES": ""}
+
+
+def test_class_table_dry_run_and_refusals(monkeypatch, capsys, tmp_path):
+    ct = _tool("class_table")
+    monkeypatch.setattr(ct, "host_flags", lambda: ZEN5)
+    assert ct.main(["--files", "Q4_1,Q6_K", "--passes", "1", "--dry-run", "--llama-bench-dir", str(tmp_path),
+                    "--cpu-name", "avx2=znver3"]) == 0
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 3 * 3                                  # 3 classes x (2 files + the depth run)
+    avx2 = [x for x in lines if " avx2 " in x]
+    assert all("NUMBA_CPU_NAME='znver3'" in x and str(tmp_path / "avx2" / "bin" / "llama-bench") in x for x in avx2)
+    top = [x for x in lines if " avx512vnni " in x]
+    assert top and not any("NUMBA_CPU_NAME" in x for x in top)
+    assert any("-d 4096 -ctk f16,q8_0" in x for x in top)
+    monkeypatch.setattr(ct, "host_flags", lambda: ZEN3)
+    assert ct.main(["--classes", "avxvnni", "--dry-run"]) == 2
+    assert "cannot run class avxvnni" in capsys.readouterr().err
+    # without --dry-run, missing files and peers are named before anything runs
+    assert ct.main(["--files", str(tmp_path / "nope.gguf"), "--llama-bench-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "nope.gguf" in err and "llama-bench" in err
+
+
+def test_class_table_ratios_and_misses():
+    ct = _tool("class_table")
+    deep = [{"ctk": "f16", "tg_tps": 45.0, "llamacpp": {"tg_tps": 32.0}},
+            {"ctk": "q8_0", "tg_tps": 63.0, "llamacpp": {"tg_tps": 21.0}}]
+    ours, best, r = ct.depth_ratio(deep)
+    assert (ours, best) == (63.0, 32.0) and r == pytest.approx(63 / 32)   # against llama.cpp's best cache
+    cell = lambda tg, pp: {"tg_ratio": tg, "pp_ratio": pp, "tg_tps": 100.0, "pp_tps": 400.0}  # noqa: E731
+    res = {("avx2", "Q4_1"): [cell(1.3, 2.4), cell(1.2, 2.5)], ("avx2", "Q6_K"): [cell(0.97, 1.1), cell(1.05, 1.2)]}
+    text = ct.table(res, {"avx2": [(63.0, 32.0, 1.97), (50.0, 40.0, 1.25)]}, ["avx2"], ["Q4_1", "Q6_K"], 2)
+    assert "| avx2 | Q6_K | **0.97** / 1.05 | 1.10 / 1.20 |" in text
+    assert "decode @ d16 >= 1.0x: missed in avx2 Q6_K 0.97" in text
+    assert "prefill pp512 >= 1.0x: met in every cell" in text
+    assert "**1.25**" in text and "missed in avx2 1.25" in text

@@ -5,7 +5,9 @@
 
 Prints, per weight type and thread count, decode matvec GB/s of weight bytes (median over reps of a
 pass over every layer matrix of that type, like one token does), and for T=prefill tokens the
-tokens/s-equivalent of a full pass over those matrices.
+tokens/s-equivalent of a full pass over those matrices.  First, per thread count, the host's read
+ceiling: a plain parallel sum over a buffer as large as the model's weights (--read-mb), the GB/s a
+memory-bound decode cannot beat.
 """
 import argparse
 import os
@@ -77,6 +79,32 @@ def bench_pass(ws, T, reps, rng):
     return float(np.median(times)), sum(w.raw.nbytes for _, w in ws)   # ggml bytes
 
 
+@numba.njit(parallel=True, cache=True)
+def _read_sum(a, nt):
+    """Sum of a (int64), one contiguous share per thread (nt shares): a streaming read at the host's bandwidth."""
+    share = a.size // nt
+    tot = 0
+    for t in numba.prange(nt):
+        s = 0                                  # scalar accumulator (vectorized by LLVM)
+        hi = a.size if t == nt - 1 else (t + 1) * share
+        for i in range(t * share, hi):
+            s += a[i]
+        tot += s
+    return tot
+
+
+def read_ceiling(mb, reps):
+    """(best, median) GB/s of _read_sum over an mb-MB buffer."""
+    a = np.ones(max(1, int(mb * 1e6) // 8), np.int64)
+    assert _read_sum(a, numba.get_num_threads()) == a.size
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        _read_sum(a, numba.get_num_threads())
+        ts.append(time.perf_counter() - t0)
+    return a.nbytes / min(ts) / 1e9, a.nbytes / float(np.median(ts)) / 1e9
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=DEFAULT_MODEL)
@@ -87,6 +115,8 @@ def main():
     ap.add_argument("--exact", action="store_true", help="benchmark the float-activation mode")
     ap.add_argument("--blas-min-t", type=int, default=M._BLAS_MIN_T,
                     help="tile weights with T >= this use dequantize + sgemm (a huge value: tile kernels only)")
+    ap.add_argument("--read-mb", type=float, default=None,
+                    help="buffer size of the read-ceiling line (default: the model file's size; 0: skip)")
     a = ap.parse_args()
     M.set_exact(a.exact)
     M._BLAS_MIN_T = a.blas_min_t
@@ -104,6 +134,11 @@ def main():
     for nt in [int(s) for s in a.threads.split(",")]:
         numba.set_num_threads(nt)
         print(f"--- threads={nt} exact={a.exact}")
+        mb = os.path.getsize(a.model) / 1e6 if a.read_mb is None else a.read_mb
+        if mb > 0:
+            best, med = read_ceiling(mb, a.reps)
+            print(f"{'read ceiling (sum of ' + format(mb, '.0f') + ' MB)':45s} read   {best:6.2f} GB/s best, "
+                  f"{med:.2f} median", flush=True)
         for g, ws in groups.items():
             dt, nb = bench_pass(ws, 1, a.reps, rng)
             line = f"{g:45s} decode {nb / dt / 1e9:6.2f} GB/s ({dt * 1e3:7.3f} ms/pass, {len(ws)} mats)"
