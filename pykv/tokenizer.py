@@ -98,7 +98,17 @@ def _byte_encode(text: str) -> str:
     return "".join(_BYTE_TO_UNI_LIST[b] for b in text.encode("utf-8", "surrogatepass"))
 
 
+# str.translate table for _byte_decode: each byte-map character to its byte; a character below 256 that
+# is not in the map goes to U+0100, so that it, like any unmapped character, fails the latin-1 encode
+_DECODE_TABLE = {ord(u): b for u, b in _UNI_TO_BYTE.items()}
+_DECODE_TABLE.update({c: 0x100 for c in range(256) if chr(c) not in _UNI_TO_BYTE})
+
+
 def _byte_decode(text: str) -> bytes:
+    try:        # the common case in one C pass (a 49k-token vocabulary's pieces: 0.26 -> 0.03 s)
+        return text.translate(_DECODE_TABLE).encode("latin-1")
+    except UnicodeEncodeError:
+        pass
     out = bytearray()
     for ch in text:
         b = _UNI_TO_BYTE.get(ch)
@@ -203,9 +213,8 @@ class Tokenizer:
         self.token_types: list[int] = types
         self.scores: list[float] = scores
         self.n_vocab: int = n
-        self.token_to_id: dict[str, int] = {}
-        for i, t in enumerate(tokens):
-            self.token_to_id.setdefault(t, i)
+        # the first id of a text that occurs twice (filled from the end, so the first id is written last)
+        self.token_to_id: dict[str, int] = dict(zip(reversed(tokens), range(n - 1, -1, -1)))
 
         def _id(key, default):
             v = md.get(key, default)

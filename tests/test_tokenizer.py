@@ -285,3 +285,16 @@ def test_clean_spaces_gpt2_decode():
     assert t.clean_spaces
     assert t.decode(t.encode("a , b")) == "a, b"
     assert not Tokenizer.from_metadata(_byte_vocab_md("smollm")).clean_spaces
+
+
+def test_byte_decode_fast_path_and_unmapped_characters():
+    """GPT-2 byte-level pieces back to bytes: every byte's character maps back to that byte (the one-pass
+    str.translate path); a character outside the byte map, above or below U+0100 (a raw control character
+    such as '\\x00' is not in the map: its byte is spelled 'Ā'), gives llama.cpp's [UNK_BYTE_0x..] marker."""
+    from pykv.tokenizer import _BYTE_TO_UNI, _byte_decode
+    every = "".join(_BYTE_TO_UNI[b] for b in range(256))
+    assert _byte_decode(every) == bytes(range(256))
+    assert _byte_decode("Ġhello") == b" hello"
+    for odd in ("\x00", "\u4e2d", "\xad"):
+        text = "a" + odd
+        assert _byte_decode(text) == b"a[UNK_BYTE_0x" + odd.encode().hex().encode() + text.encode() + b"]"
