@@ -124,7 +124,7 @@ def table(results, depth, classes, types, passes) -> str:
             runs = depth.get(isa, [])
             if runs:
                 misses["depth"] += [f"{isa} {r:.2f}" for _, _, r in runs if r < DEPTH_GOAL]
-                lines.append(f"| {isa} | " + " / ".join(
+                lines.append(f"| {isa} | " + "; ".join(
                     ("%.1f / %.1f = " + ("**%.2f**" if r < DEPTH_GOAL else "%.2f")) % (o, b, r)
                     for o, b, r in runs) + " |")
     lines.append("")
