@@ -75,7 +75,7 @@ class _Header:
 
     def strings(self, n: int) -> list:
         """n strings in a row (a vocabulary: 49k tokens and 48k merges in SmolLM2): string()'s checks in one
-        loop with local names, 3x faster than n calls."""
+        loop with local names (SmolLM2's header: 0.11-0.19 -> 0.08 s)."""
         mm, end, off, out = self.mm, self.n, self.off, []
         length = _U64.unpack_from
         for _ in range(n):

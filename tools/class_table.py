@@ -11,8 +11,8 @@ Goals (issue: CPU speed on K-quants and AVX2 / AVX-VNNI hosts), each class, 2 th
   decode at depth 4096 with a q8_0 cache >= 1.5x llama.cpp's best there (its f16 and q8_0 caches,
   flash attention on and off), on the shipped model.
 
-Classes default to those this host can execute (from /proc/cpuinfo: avx2; avx_vnni for avxvnni;
-avx512f + avx512bw + avx512_vnni for avx512vnni).  A class below the host's own is compiled for with
+Classes default to those this host can execute (LLVM's host features, the names kernels.tiles classifies
+by: avx2 + fma + f16c; avxvnni; avx512f + avx512bw + avx512vl + avx512vnni).  A class below the host's own is compiled for with
 NUMBA_CPU_NAME (build_llama_bench.NUMBA_CPU, or --cpu-name CLASS=NAME) and NUMBA_CPU_FEATURES="", and
 its peer is DIR/CLASS/bin/llama-bench as tools/build_llama_bench.py CLASS builds it (--llama-bench-dir).
 Each cell is checked to have run as that class on both sides (bench's `isa` fields).  Passes run
@@ -35,15 +35,10 @@ FILE_TYPES = ("Q4_1", "Q4_0", "Q8_0", "Q4_K_M", "Q5_K_M", "Q6_K")   # Q4_1: the 
 DEPTH_GOAL, SHORT_GOAL = 1.5, 1.0
 
 
-def host_flags(path="/proc/cpuinfo") -> set:
-    try:
-        with open(path) as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
+def host_flags() -> set:
+    """The host CPU's features as LLVM names them (what kernels.tiles.target_isa reads)."""
+    import llvmlite.binding as llvm
+    return {k for k, on in llvm.get_host_cpu_features().items() if on}
 
 
 def runnable_classes(flags: set) -> list:
@@ -51,9 +46,9 @@ def runnable_classes(flags: set) -> list:
     out = []
     if {"avx2", "fma", "f16c"} <= flags:
         out.append("avx2")
-        if "avx_vnni" in flags:
+        if "avxvnni" in flags:
             out.append("avxvnni")
-        if {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags:
+        if {"avx512f", "avx512bw", "avx512vl", "avx512vnni"} <= flags:
             out.append("avx512vnni")
     return out
 
@@ -63,6 +58,11 @@ def class_env(isa: str, top: str, names: dict) -> dict:
     if isa == top:
         return {}
     return {"NUMBA_CPU_NAME": names.get(isa, NUMBA_CPU[isa]), "NUMBA_CPU_FEATURES": ""}
+
+
+def peer(bench_dir: str, isa: str) -> str:
+    """That class's llama-bench, where tools/build_llama_bench.py CLASS puts it."""
+    return os.path.join(bench_dir, isa, "bin", "llama-bench")
 
 
 def file_for(t: str, model: str, requant_dir: str) -> str:
@@ -176,8 +176,7 @@ def main(argv=None) -> int:
         label = t if path != t else os.path.basename(t)
         files.append((label, path))
     missing = [p for _, p in files if not os.path.isfile(p)]
-    missing += [os.path.join(a.llama_bench_dir, c, "bin", "llama-bench") for c in classes
-                if not os.path.isfile(os.path.join(a.llama_bench_dir, c, "bin", "llama-bench"))]
+    missing += [peer(a.llama_bench_dir, c) for c in classes if not os.path.isfile(peer(a.llama_bench_dir, c))]
     if missing and not a.dry_run:
         print("class_table: missing " + ", ".join(missing) + " (tools/requantize.py, tools/build_llama_bench.py CLASS)",
               file=sys.stderr)
@@ -189,7 +188,7 @@ def main(argv=None) -> int:
     for k in range(1, a.passes + 1):
         for isa in classes:
             env = class_env(isa, top, names)
-            lb = os.path.join(a.llama_bench_dir, isa, "bin", "llama-bench")
+            lb = peer(a.llama_bench_dir, isa)
             jobs = [(label, path, False) for label, path in files]
             if not a.no_depth:
                 jobs.append(("d4096", a.model, True))
@@ -200,7 +199,11 @@ def main(argv=None) -> int:
                       f"{envs + ' ' if envs else ''}python {' '.join(cmd[1:])}", file=sys.stderr, flush=True)
                 if a.dry_run:
                     continue
-                cells = run_cells(cmd, env, isa)
+                try:
+                    cells = run_cells(cmd, env, isa)
+                except (RuntimeError, ValueError) as e:      # a failed or wrong-class run: one line, exit 1
+                    print(f"class_table: {e}", file=sys.stderr)
+                    return 1
                 if a.out:
                     with open(os.path.join(a.out, f"pass{k}_{isa}_{label}.json"), "w") as f:
                         json.dump(cells, f, indent=1)
