@@ -189,6 +189,10 @@ def main(argv=None) -> int:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("default")            # each warning once per command
+            # but not ResourceWarning (hidden by Python's own defaults): a Ctrl-C that lands between a
+            # library's open() and its `with` (Numba loading a cached kernel) leaves an unclosed file
+            # behind, and "pykv: warning: unclosed file ..." is not the user's business
+            warnings.simplefilter("ignore", ResourceWarning)
             warnings.showwarning = _warn_one_line       # one line too, not file:line + source
             return _run(args)
     finally:
