@@ -73,8 +73,24 @@ def test_decode_chain_equals_the_separate_calls(tiny, kv, threads):
         L, steps = m.config.n_layers, len(ids) - 3
         # every decode step folds its layers' attention, but q4_0's steps whose token lands in a sink row
         assert n0 == n2 == 0 and n1 == L * (steps if kv == "f16" else len(ids) - max(3, m.cache.NS))
+        _one_specialization()
     finally:
         numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
+
+
+def _one_specialization():
+    """The chain calls the separate calls' functions with their argument types: a constant passed as a
+    literal (Literal[int](0)) or a prange index (uint64) compiled a second copy of each on a cold cache
+    (attention's work item: ~25 s more on Zen 3)."""
+    from numba.core import types
+
+    from pykv.kernels import attention, kvquant, ops
+    for f in (attention._item, attention.merge_row, ops.qkv_prep, ops.rmsnorm_act_row, ops.add_rmsnorm_act_row,
+              ops.swiglu_act_row, ops.attn_out_act_row, kvquant.wr_u16, kvquant.wr_f32):
+        for sig in f.signatures:
+            assert not any(isinstance(t, types.Literal) for t in sig), (f.__name__, sig)
+    for f in (ops.rmsnorm_act_row, ops.add_rmsnorm_act_row, ops.swiglu_act_row, ops.attn_out_act_row):
+        assert {sig[-1] for sig in f.signatures} == {types.int64}, (f.__name__, f.signatures)
 
 
 def test_no_chain_in_exact_mode(tiny):

@@ -95,6 +95,35 @@ def test_compile_note_once_and_compile_time_excluded():
         jitnote._state.update({k: old[k] for k in ("said", "stream")})
 
 
+def test_cache_save_time_counted_as_compile_time():
+    """Numba saves a kernel to its cache after the compile event has ended; that save is compile time
+    too (a cold first decode step spent 0.2 s there, counted in its tokens/s), but not when it happens
+    inside an outer compile (already in that compile's seconds)."""
+    import time
+
+    from numba.core import caching
+
+    from pykv.kernels import jitnote
+    assert getattr(caching.Cache.save_overload, "pykv_timed", False)
+    assert getattr(caching.Cache.load_overload, "pykv_timed", False)
+
+    slow = jitnote._timed(lambda self, sig, data: time.sleep(0.05))
+    c0 = jitnote.compile_seconds()
+    slow(None, "sig", "data")
+    assert jitnote.compile_seconds() - c0 >= 0.05
+    with jitnote._lock:
+        jitnote._state["depth"] += 1          # as inside a compile: its own clock runs
+        t_in = time.perf_counter()
+        jitnote._state["t0"] = t_in
+    try:
+        c1 = jitnote._state["total"]
+        slow(None, "sig", "data")
+        assert jitnote._state["total"] == c1
+    finally:
+        with jitnote._lock:
+            jitnote._state["depth"] -= 1
+
+
 _CACHED_MOD = """
 from numba import njit
 @njit(cache=True)

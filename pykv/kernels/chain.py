@@ -52,6 +52,10 @@ TAIL, HEAD, ATTN = 1, 2, 4  # mode bits: layer l's tail (stages 0-6), layer l+1'
 N_STAGES = 11
 SYNC = 8 * (1 + N_STAGES)
 _dot = dot_any_by(_ITILE_FMT, _KTILE_FMT, KOFF)
+# Constant arguments to functions that Model's separate calls run too go in as int64, not as literals: a
+# constant 0 would be typed Literal[int](0) and compile a second specialization of the callee (attention's
+# work item alone took ~25 s to compile again on a cold cache, Zen 3).
+_I0 = np.int64(0)
 
 
 @njit(cache=True, nogil=True, fastmath=_FM)
@@ -125,13 +129,13 @@ def _item(cq, ck, cv, co, cg, cu, cd, s, j0, j1, mode, eps, rotate, W, B, A, F):
     literally(cu)
     literally(cd)
     if s == 0:
-        attn_out_act_row(att, sign, rotate, AX, AXF, 0)
+        attn_out_act_row(att, sign, rotate, AX, AXF, _I0)
         _quant(co, co, co, AX, AXQ, AXD, AXS, AXF, AXQK, AXDK, AXBK)
     elif s == 1:
         for j in range(j0, j1):
             _tile(co, wo, so, j, AXQ, AXD, AXS, AXQK, AXDK, AXBK, o)
     elif s == 2:
-        add_rmsnorm_act_row(x, o, norm_f, eps, AX, AXF, 0)
+        add_rmsnorm_act_row(x, o, norm_f, eps, AX, AXF, _I0)
         _quant(cg, cu, cu, AX, AXQ, AXD, AXS, AXF, AXQK, AXDK, AXBK)
     elif s == 3:
         for j in range(j0, j1):
@@ -140,7 +144,7 @@ def _item(cq, ck, cv, co, cg, cu, cd, s, j0, j1, mode, eps, rotate, W, B, A, F):
             else:
                 _tile(cu, wu, su, j - wg.shape[0], AXQ, AXD, AXS, AXQK, AXDK, AXBK, u)
     elif s == 4:
-        swiglu_act_row(g, u, FX, FXF, 0)
+        swiglu_act_row(g, u, FX, FXF, _I0)
         _quant(cd, cd, cd, FX, FXQ, FXD, FXS, FXF, FXQK, FXDK, FXBK)
     elif s == 5:
         for j in range(j0, j1):
@@ -149,9 +153,9 @@ def _item(cq, ck, cv, co, cg, cu, cd, s, j0, j1, mode, eps, rotate, W, B, A, F):
         tail = (mode & TAIL) != 0
         head = (mode & HEAD) != 0
         if tail and head:
-            add_rmsnorm_act_row(x, o, norm_a, eps, AX, AXF, 0)
+            add_rmsnorm_act_row(x, o, norm_a, eps, AX, AXF, _I0)
         elif head:
-            rmsnorm_act_row(x, norm_a, eps, AX, AXF, 0)
+            rmsnorm_act_row(x, norm_a, eps, AX, AXF, _I0)
         else:
             add_inplace(x, o)
         if head:
@@ -178,7 +182,7 @@ def _attn(s, j0, j1, rotate, n_past, chunk, ns_k, ns_v, li, smooth, K, pt, ksink
     C = (n_tot + chunk - 1) // chunk
     pv = part[:KVH * C * G * (HD + 2)].reshape((1, KVH, C, G, HD + 2))
     if s == 8:
-        qkv_prep(q, k, v, n_past, cos, sin, n_rot, True, shift[li], scale[li], smooth, sign, rotate, qm[0])
+        qkv_prep(q, k, v, n_past, cos, sin, n_rot, np.bool_(True), shift[li], scale[li], smooth, sign, rotate, qm[0])
         for i in range(KVH):
             _append_row(k, kpool, pt, n_past, Pg, kcode, i)
         for i in range(KVH):
@@ -188,10 +192,11 @@ def _attn(s, j0, j1, rotate, n_past, chunk, ns_k, ns_v, li, smooth, K, pt, ksink
             c = it % C
             g = it // C
             a0 = c * chunk
-            _att_item(q, kpool, vpool, kres, vres, ksink, vsink, pt, n_past, ns_k, ns_v, n_tot, n_tot, 0, 0, Pg,
-                      kcode, kbits, vcode, rcode, g, 0, 1, a0, min(a0 + chunk, n_tot), pv, c, kx, kcos, ksin)
+            _att_item(q, kpool, vpool, kres, vres, ksink, vsink, pt, n_past, ns_k, ns_v, n_tot, n_tot, _I0, _I0,
+                      Pg, kcode, kbits, vcode, rcode, g, _I0, np.int64(1), a0, min(a0 + chunk, n_tot), pv, c, kx,
+                      kcos, ksin)
     else:
-        merge_row(pv, C, G, 0, att)
+        merge_row(pv, C, G, _I0, att)
 
 
 @njit(cache=True, nogil=True)
@@ -417,5 +422,5 @@ def bind(tail, head, views, act_d, act_ff, sign, rotate: bool, eps: float, kv):
     (kpool, vpool, kres, cos, sin, part, kx, kcos, ksin, km, qm), idle = kv
     K = (v.q3, v.k3, v.v3, kpool, vpool, kres, kres, cos, sin, sign, part, v.att3, kx, kcos, ksin, km, qm)
     fn = attn_fn((8, 0, 1, bool(rotate)) + idle[:6] + (K,) + idle[6:])   # _attn's argument order
-    return Chain(codes, (mode, np.float32(eps), bool(rotate),
+    return Chain(codes, (mode, float(eps), bool(rotate),
                          _chain_args(W, B, A, F, K, fn, np.zeros(SYNC, np.int64))), idle)

@@ -326,7 +326,7 @@ def _qblk_iq4_nl(x, xo, dst, do, ntry):
     val = IQ4NL_F
     mx = _absmax_signed(x, xo, 32)
     if abs(mx) < np.float32(1e-15):
-        wr_u16(dst, do, 0)
+        wr_u16(dst, do, np.int64(0))
         for j in range(16):
             dst[do + 2 + j] = np.uint8(0x88)
         return
@@ -473,7 +473,7 @@ def _q_fp8(x, dst, e4m3):
         if a > amax:
             amax = a
     s = amax / fmax
-    wr_f32(dst, 0, s)
+    wr_f32(dst, np.int64(0), s)
     if s == np.float32(0.0):
         for j in range(hd):
             dst[4 + j] = 0

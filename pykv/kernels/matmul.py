@@ -63,7 +63,7 @@ from .blocks import KVALUES_IQ4NL, deq_rows, rd_f16
 from .ops import PAR_T
 from .simd import h2f
 # (the tiles' weight-prefetch policy per ISA class: kernels.tiles PF_BYTES / KPF_AHEAD)
-from .tiles import ISA, KTILE_ROWS, TILE_ROWS, dot_ktile_by, dot_tile_by, repack_ktile
+from .tiles import ISA, KTILE_ROWS, TILE_ROWS, dot_ktile_by, dot_tile_by, f16_bits, lanes, repack_ktile
 
 __all__ = ["Weight", "Act", "prepare_weight", "matmul", "matmul_fused", "fuse", "Fused", "bind", "Bound", "get_rows", "set_exact", "quantize_act_q8",
            "quantize_act_q8k", "SUPPORTED_TYPES", "ISA"]
@@ -799,11 +799,6 @@ def _deq_tiles_q8_T(qt, dt, t0, t1, WT):
                     row[r0 + i] = h2f(dt[tile, b, i]) * np.float32(qt[tile, b, j, i])
 
 
-def _f16_bits(b2):
-    """(..., 2) uint8 little-endian halves -> uint16 (...)."""
-    return np.ascontiguousarray(b2).view(np.uint16)[..., 0]
-
-
 def _repack_tiles(gt, raw, rows, cols, R, itile):
     """ggml Q4_0 / Q4_1 / Q8_0 rows -> row-interleaved tiles (qt, sc) of R rows (the last zero-padded).
     Float-activation layout: qt[tile, b, j, row] (byte j of each row's block b); integer-tile layout:
@@ -816,7 +811,7 @@ def _repack_tiles(gt, raw, rows, cols, R, itile):
     blk = raw.reshape(rows, nb, bpb)
     if pad:
         blk = np.concatenate([blk, np.zeros((pad, nb, bpb), np.uint8)])
-    d = _f16_bits(blk[:, :, 0:2]).reshape(nt, R, nb).transpose(0, 2, 1)
+    d = f16_bits(blk[:, :, 0:2]).reshape(nt, R, nb).transpose(0, 2, 1)
     if gt == Q8_0:
         q = blk[:, :, 2:34] if itile else blk[:, :, 2:34].view(np.int8)
         sc = d[:, :, None, :] if itile else d
@@ -824,7 +819,7 @@ def _repack_tiles(gt, raw, rows, cols, R, itile):
         qo = {Q4_0: 2, Q4_1: 4, Q5_0: 6, Q5_1: 8, IQ4_NL: 2}[gt]
         q = blk[:, :, qo:qo + 16]
         if gt in (Q4_1, Q5_1):
-            m = _f16_bits(blk[:, :, 2:4]).reshape(nt, R, nb).transpose(0, 2, 1)
+            m = f16_bits(blk[:, :, 2:4]).reshape(nt, R, nb).transpose(0, 2, 1)
         else:  # Q4_0 / Q5_0: d * (q - z) = d * q + (-z d), and -z d is exact in f16 unless it overflows
             z = np.float16(-8.0 if gt == Q4_0 else -16.0)
             m = (np.ascontiguousarray(d).view(np.float16) * z).view(np.uint16)
@@ -839,10 +834,11 @@ def _repack_tiles(gt, raw, rows, cols, R, itile):
             q = np.concatenate([q, ((lo << sh) | (hi << (sh + 4))).sum(axis=-2, dtype=np.uint8)], axis=2)
     w = q.shape[2]
     if itile:
-        qt = q.reshape(nt, R, nb, w // 4, 4).transpose(0, 2, 3, 1, 4)
+        qt = np.ascontiguousarray(lanes(q).reshape(nt, R, nb, w // 4).transpose(0, 2, 3, 1))
+        qt = qt.view(np.uint8).reshape(nt, nb, w // 4, R, 4)
     else:
-        qt = q.reshape(nt, R, nb, w).transpose(0, 2, 3, 1)
-    return np.ascontiguousarray(qt), np.ascontiguousarray(sc)
+        qt = np.ascontiguousarray(q.reshape(nt, R, nb, w).transpose(0, 2, 3, 1))
+    return qt, np.ascontiguousarray(sc)
 
 # ----------------------------------------------------------------------------------------------------
 # Python-level API
@@ -963,7 +959,7 @@ def prepare_weight(ggml_type: int, data: np.ndarray, rows: int, cols: int, q8_ac
     elif gt in _KTILE_FMT and q8_act:
         R = KTILE_ROWS
         blk = raw.reshape(rows, -1, bb)
-        if all(_finite_f16(_f16_bits(blk[:, :, o:o + 2])) for o in _K_F16[gt]):
+        if all(_finite_f16(f16_bits(blk[:, :, o:o + 2])) for o in _K_F16[gt]):
             pad = -rows % R
             if pad:
                 blk = np.concatenate([blk, np.zeros((pad,) + blk.shape[1:], np.uint8)])

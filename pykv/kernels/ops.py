@@ -261,7 +261,7 @@ def rmsnorm_act(x, w, eps, X, XF):
     T = x.shape[0]
     if T >= PAR_T:
         for t in prange(T):
-            rmsnorm_act_row(x, w, eps, X, XF, t)
+            rmsnorm_act_row(x, w, eps, X, XF, np.int64(t))   # int64, as below: one specialization
     else:
         for t in range(T):
             rmsnorm_act_row(x, w, eps, X, XF, t)
@@ -273,7 +273,7 @@ def add_rmsnorm_act(x, y, w, eps, X, XF):
     T = x.shape[0]
     if T >= PAR_T:
         for t in prange(T):
-            add_rmsnorm_act_row(x, y, w, eps, X, XF, t)
+            add_rmsnorm_act_row(x, y, w, eps, X, XF, np.int64(t))   # int64, as below: one specialization
     else:
         for t in range(T):
             add_rmsnorm_act_row(x, y, w, eps, X, XF, t)
@@ -285,7 +285,7 @@ def swiglu_act(g, u, X, XF):
     T = g.shape[0]
     if T >= PAR_T:
         for t in prange(T):
-            swiglu_act_row(g, u, X, XF, t)
+            swiglu_act_row(g, u, X, XF, np.int64(t))   # int64, as below: one specialization
     else:
         for t in range(T):
             swiglu_act_row(g, u, X, XF, t)
@@ -297,7 +297,7 @@ def attn_out_act(att, sign, rotate, X, XF):
     T = att.shape[0]
     if T >= PAR_T:
         for t in prange(T):
-            attn_out_act_row(att, sign, rotate, X, XF, t)
+            attn_out_act_row(att, sign, rotate, X, XF, np.int64(t))   # int64, as below: one specialization
     else:
         for t in range(T):
             attn_out_act_row(att, sign, rotate, X, XF, t)
