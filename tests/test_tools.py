@@ -235,6 +235,35 @@ def test_class_table_dry_run_and_refusals(monkeypatch, capsys, tmp_path):
     assert "nope.gguf" in err and "llama-bench" in err
 
 
+def test_class_table_setup_makes_only_what_is_missing(monkeypatch, capsys, tmp_path):
+    """--setup on a fresh host: the sdist, each class's peer, the requantized files, in that order, and
+    nothing that is already there."""
+    ct = _tool("class_table")
+    monkeypatch.setattr(ct, "host_flags", lambda: ZEN4)
+    model = tmp_path / "m.Q4_1.gguf"
+    model.write_bytes(b"GGUF")
+    lb, rq = tmp_path / "lb", tmp_path / "rq"
+    args = ["--files", "Q4_1,Q6_K,Q8_0", "--passes", "1", "--no-depth", "--model", str(model), "--llama-bench-dir",
+            str(lb), "--requant-dir", str(rq), "--setup", "--dry-run"]
+    assert ct.main(args) == 0
+    steps = [x for x in capsys.readouterr().err.splitlines() if x.startswith("[setup ")]
+    assert [x.split()[1] for x in steps] == ["sdist", "build", "build", "requantize"]
+    assert [x.split()[2] for x in steps[1:3]] == ["avx2", "avx512vnni"]       # the classes a Zen 4 runs
+    assert "pip download" in steps[0] and "llama-cpp-python==0.3.36" in steps[0]
+    assert f"--build-dir {lb / 'avx512vnni'}" in steps[2] and "--src " in steps[2]
+    assert "--types Q6_K,Q8_0" in steps[3] and str(lb / "avx2" / "bin" / "llama-quantize") in steps[3]
+    # a given source tree: no download; a built peer and a made file: not again
+    for c in ("avx2",):
+        (lb / c / "bin").mkdir(parents=True)
+        (lb / c / "bin" / "llama-bench").write_text("")
+    rq.mkdir()
+    (rq / "m.Q6_K.gguf").write_text("")
+    assert ct.main(args + ["--src", str(tmp_path)]) == 0
+    steps = [x for x in capsys.readouterr().err.splitlines() if x.startswith("[setup ")]
+    assert len(steps) == 2 and "build avx512vnni" in steps[0] and f"--src {tmp_path} " in steps[0]
+    assert "--types Q8_0 " in steps[1]
+
+
 def test_class_table_ratios_and_misses():
     ct = _tool("class_table")
     deep = [{"ctk": "f16", "tg_tps": 45.0, "llamacpp": {"tg_tps": 32.0}},

@@ -8,8 +8,8 @@ sdist (llama_cpp_python-0.3.36.tar.gz: its vendor/llama.cpp is used).  The build
 and exactly the class's GGML_* instruction switches (native: GGML_NATIVE=ON), so it runs on any host
 of the class; the binaries land in DIR/bin (default ~/.cache/pykv/llama-bench/CLASS).  Run the pykv
 side of a comparison with the matching NUMBA_CPU_NAME (e.g. haswell, alderlake, sapphirerapids) and
-NUMBA_CPU_FEATURES="" when the host is of a higher class.  Building the two targets took 4.5 min on a
-2-core Zen 3 (2026-12-03).
+NUMBA_CPU_FEATURES="" when the host is of a higher class.  Building the two targets took 4.5-6.3 min on a
+2-core Zen 3 (2026-12-03, 12-04).
 """
 import argparse
 import os

@@ -4,6 +4,13 @@ of pykv ÷ llama.cpp ratios per pass and a line per goal saying which cells miss
 
     python tools/class_table.py [--classes avx2,avxvnni,avx512vnni] [--files F,...] [--passes 2]
                                 [--rounds 2] [--reps 3] [--threads 2] [--no-depth] [--out DIR] [--dry-run]
+                                [--setup [--src SDIST_OR_TREE]]
+
+--setup first makes what is missing, so a fresh host needs this one command: the shipped model (`pykv
+pull`), each class's llama-bench and llama-quantize (tools/build_llama_bench.py CLASS --src; without --src
+the llama-cpp-python 0.3.36 sdist is fetched with `pip download` into ~/.cache/pykv/llama-src), then the
+requantized files (tools/requantize.py with the first class's llama-quantize).  Measured on a 2-core Zen
+3 (2026-12-04): the sdist 8 s, a build from it 6.3 min, a requantization 5 s.
 
 Goals (issue: CPU speed on K-quants and AVX2 / AVX-VNNI hosts), each class, 2 threads:
   decode (tg64) at depth 16 >= 1.0x llama.cpp and prefill (pp512) >= 1.0x, for the shipped Q4_1 and the
@@ -29,6 +36,9 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from build_llama_bench import NUMBA_CPU  # noqa: E402
 from requantize import DEFAULT_MODEL, DEFAULT_OUT, out_path  # noqa: E402
+
+SDIST = "llama-cpp-python==0.3.36"          # the peer's source: its vendor/llama.cpp
+SRC_DIR = os.path.expanduser("~/.cache/pykv/llama-src")
 
 CLASS_ORDER = ("avx2", "avxvnni", "avx512vnni")
 FILE_TYPES = ("Q4_1", "Q4_0", "Q8_0", "Q4_K_M", "Q5_K_M", "Q6_K")   # Q4_1: the shipped model itself
@@ -67,6 +77,46 @@ def peer(bench_dir: str, isa: str) -> str:
 
 def file_for(t: str, model: str, requant_dir: str) -> str:
     return model if t == "Q4_1" else out_path(model, requant_dir, t)
+
+
+def setup_cmds(a, classes, files) -> list:
+    """The commands that make what the table needs and is missing: (what, argv) in order.  A missing
+    sdist is fetched first; "SRC" in a build command stands for its path (known once fetched)."""
+    tools = os.path.dirname(os.path.abspath(__file__))
+    cmds = []
+    if not os.path.isfile(a.model) and a.model == DEFAULT_MODEL:
+        cmds.append(("model", [sys.executable, "-m", "pykv", "pull"]))
+    builds = [c for c in classes if not os.path.isfile(peer(a.llama_bench_dir, c))]
+    if builds and not a.src:
+        cmds.append(("sdist", [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+                               SDIST, "-d", SRC_DIR]))
+    for c in builds:
+        cmds.append((f"build {c}", [sys.executable, os.path.join(tools, "build_llama_bench.py"), c, "--src",
+                                    a.src or "SRC", "--build-dir", os.path.join(a.llama_bench_dir, c)]))
+    need = [t for t, p in files if t != "Q4_1" and not os.path.isfile(p)]
+    if need:
+        quantize = os.path.join(a.llama_bench_dir, classes[0], "bin", "llama-quantize")
+        cmds.append(("requantize", [sys.executable, os.path.join(tools, "requantize.py"), "--model", a.model,
+                                    "--types", ",".join(need), "--out", a.requant_dir, "--quantize", quantize]))
+    return cmds
+
+
+def run_setup(cmds, dry_run) -> int:
+    """Run setup_cmds' commands in order (dry_run: print them); 0, or 1 with one line naming the failure."""
+    src = None
+    for what, cmd in cmds:
+        if src is None and "SRC" in cmd:
+            found = sorted(f for f in os.listdir(SRC_DIR) if f.endswith(".tar.gz")) if os.path.isdir(SRC_DIR) else []
+            src = os.path.join(SRC_DIR, found[-1]) if found else os.path.join(SRC_DIR, "<sdist>.tar.gz")
+        cmd = [src if x == "SRC" else x for x in cmd]
+        print(f"[setup {what} {time.strftime('%H:%M:%S')}] {' '.join(cmd)}", file=sys.stderr, flush=True)
+        if dry_run:
+            continue
+        r = subprocess.run(cmd)
+        if r.returncode != 0:
+            print(f"class_table: setup step '{what}' failed (exit {r.returncode})", file=sys.stderr)
+            return 1
+    return 0
 
 
 def bench_cmd(path, lb, a, depth_run=False) -> list:
@@ -154,6 +204,9 @@ def main(argv=None) -> int:
     ap.add_argument("--no-depth", action="store_true", help="skip the depth-4096 q8_0 run")
     ap.add_argument("--out", default=None, help="folder for each cell's JSON and table.md")
     ap.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
+    ap.add_argument("--setup", action="store_true",
+                    help="first fetch / build / requantize whatever is missing (see above)")
+    ap.add_argument("--src", default=None, help="--setup: llama.cpp tree or llama-cpp-python sdist (.tar.gz)")
     a = ap.parse_args(argv)
 
     can = runnable_classes(host_flags())
@@ -175,6 +228,8 @@ def main(argv=None) -> int:
         path = t if os.path.sep in t or t.endswith(".gguf") else file_for(t, a.model, a.requant_dir)
         label = t if path != t else os.path.basename(t)
         files.append((label, path))
+    if a.setup and run_setup(setup_cmds(a, classes, files), a.dry_run):
+        return 1
     missing = [p for _, p in files if not os.path.isfile(p)]
     missing += [peer(a.llama_bench_dir, c) for c in classes if not os.path.isfile(peer(a.llama_bench_dir, c))]
     if missing and not a.dry_run:
