@@ -240,6 +240,7 @@ def test_class_table_setup_makes_only_what_is_missing(monkeypatch, capsys, tmp_p
     nothing that is already there."""
     ct = _tool("class_table")
     monkeypatch.setattr(ct, "host_flags", lambda: ZEN4)
+    monkeypatch.setattr(ct, "SRC_DIR", str(tmp_path / "src"))
     model = tmp_path / "m.Q4_1.gguf"
     model.write_bytes(b"GGUF")
     lb, rq = tmp_path / "lb", tmp_path / "rq"
@@ -250,6 +251,7 @@ def test_class_table_setup_makes_only_what_is_missing(monkeypatch, capsys, tmp_p
     assert [x.split()[1] for x in steps] == ["sdist", "build", "build", "requantize"]
     assert [x.split()[2] for x in steps[1:3]] == ["avx2", "avx512vnni"]       # the classes a Zen 4 runs
     assert "pip download" in steps[0] and "llama-cpp-python==0.3.36" in steps[0]
+    assert f"--src {tmp_path / 'src' / ct.SDIST_FILE} " in steps[1]       # the downloaded sdist
     assert f"--build-dir {lb / 'avx512vnni'}" in steps[2] and "--src " in steps[2]
     assert "--types Q6_K,Q8_0" in steps[3] and str(lb / "avx2" / "bin" / "llama-quantize") in steps[3]
     # a given source tree: no download; a built peer and a made file: not again
@@ -262,6 +264,11 @@ def test_class_table_setup_makes_only_what_is_missing(monkeypatch, capsys, tmp_p
     steps = [x for x in capsys.readouterr().err.splitlines() if x.startswith("[setup ")]
     assert len(steps) == 2 and "build avx512vnni" in steps[0] and f"--src {tmp_path} " in steps[0]
     assert "--types Q8_0 " in steps[1]
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / ct.SDIST_FILE).write_text("")            # fetched before: not again
+    assert ct.main(args) == 0
+    steps = [x for x in capsys.readouterr().err.splitlines() if x.startswith("[setup ")]
+    assert [x.split()[1] for x in steps] == ["build", "requantize"]
 
 
 def test_class_table_ratios_and_misses():

@@ -38,6 +38,7 @@ from build_llama_bench import NUMBA_CPU  # noqa: E402
 from requantize import DEFAULT_MODEL, DEFAULT_OUT, out_path  # noqa: E402
 
 SDIST = "llama-cpp-python==0.3.36"          # the peer's source: its vendor/llama.cpp
+SDIST_FILE = "llama_cpp_python-0.3.36.tar.gz"
 SRC_DIR = os.path.expanduser("~/.cache/pykv/llama-src")
 
 CLASS_ORDER = ("avx2", "avxvnni", "avx512vnni")
@@ -87,7 +88,7 @@ def setup_cmds(a, classes, files) -> list:
     if not os.path.isfile(a.model) and a.model == DEFAULT_MODEL:
         cmds.append(("model", [sys.executable, "-m", "pykv", "pull"]))
     builds = [c for c in classes if not os.path.isfile(peer(a.llama_bench_dir, c))]
-    if builds and not a.src:
+    if builds and not a.src and not os.path.isfile(os.path.join(SRC_DIR, SDIST_FILE)):
         cmds.append(("sdist", [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
                                SDIST, "-d", SRC_DIR]))
     for c in builds:
@@ -103,11 +104,8 @@ def setup_cmds(a, classes, files) -> list:
 
 def run_setup(cmds, dry_run) -> int:
     """Run setup_cmds' commands in order (dry_run: print them); 0, or 1 with one line naming the failure."""
-    src = None
+    src = os.path.join(SRC_DIR, SDIST_FILE)         # where the "sdist" step puts it
     for what, cmd in cmds:
-        if src is None and "SRC" in cmd:
-            found = sorted(f for f in os.listdir(SRC_DIR) if f.endswith(".tar.gz")) if os.path.isdir(SRC_DIR) else []
-            src = os.path.join(SRC_DIR, found[-1]) if found else os.path.join(SRC_DIR, "<sdist>.tar.gz")
         cmd = [src if x == "SRC" else x for x in cmd]
         print(f"[setup {what} {time.strftime('%H:%M:%S')}] {' '.join(cmd)}", file=sys.stderr, flush=True)
         if dry_run:
