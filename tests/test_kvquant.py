@@ -445,6 +445,40 @@ def test_nl_rows(fmt):
     assert err < (1.01 if sb == 2 else 1.02) * np.mean([_LM_MSE[w] for w in widths])
 
 
+def test_nl_byte_scale_brackets_the_fitted_scale():
+    """nl3b / nl2b's byte scale starts from the table step at or below the fitted d, found by compares
+    against NL_E8 (the same e on CPU and GPU; floor(8 log2 d) used the devices' differing log2)."""
+    from pykv.kernels.blocks import NL_E8
+    rng = np.random.default_rng(5)
+    ds = np.concatenate([NL_E8[1:], np.nextafter(NL_E8[1:], np.float32(0)), np.nextafter(NL_E8[1:], np.float32(9e9)),
+                         (2.0 ** rng.uniform(-22, 14, 4000)).astype(np.float32), [np.float32(1e-30), np.float32(1e30)]])
+    for d in ds.astype(np.float32):
+        e = K.nl_e8_floor(d)
+        assert 1 <= e <= 255
+        assert NL_E8[e] <= d or e == 1, (d, e)
+        assert e == 255 or d < NL_E8[e + 1], (d, e)
+
+
+def test_nl_tables_are_read_through_one_function_each():
+    """numba.cuda copies a module-level array into a kernel's constant memory once per place its code reads
+    it; read at every use, the nl tables made the KV append kernel 70 KB of constants, over the GPU's 64 KiB
+    (ptxas refused it on an H200; the simulator has no limit).  So each table is subscripted in exactly one
+    function of the kernel sources: blocks.nl_level / nl_width / nl_offset / nl_e8."""
+    import ast
+    import pathlib
+    root = pathlib.Path(K.__file__).parent
+    reads = {}                                  # table name -> the functions that subscript it
+    for path in sorted(root.rglob("*.py")):
+        for fn in ast.walk(ast.parse(path.read_text())):
+            if isinstance(fn, ast.FunctionDef):
+                for node in ast.walk(fn):
+                    if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name):
+                        reads.setdefault(node.value.id, []).append(f"{path.name}:{fn.name}:{node.lineno}")
+    want = {"NL_TABLE": "nl_level", "NL_BITS": "nl_width", "NL_OFF": "nl_offset", "NL_E8": "nl_e8"}
+    for name, fn in want.items():
+        assert [r.rsplit(":", 1)[0] for r in reads.get(name, [])] == [f"blocks.py:{fn}"], (name, reads.get(name))
+
+
 # ------------------------------------------------------------------------------------------------
 # KIVI
 # ------------------------------------------------------------------------------------------------

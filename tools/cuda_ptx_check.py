@@ -11,7 +11,10 @@ bytes equal the CPU's).
     LD_LIBRARY_PATH=DIR/nvidia/cuda_nvrtc/lib:DIR/nvidia/cuda_nvcc/nvvm/lib64 \
     CUDA_HOME=DIR/nvidia/cuda_nvcc python tools/cuda_ptx_check.py --site DIR [kvquant] [attention]
 
-Prints one line per kernel (PTX size, fma count, compile seconds); exit status 1 on a failure.
+Prints one line per kernel (PTX size, fma count, compile seconds); exit status 1 on a failure.  Where
+ptxas is at hand (the nvidia-cuda-nvcc wheel's, in --site, or --ptxas PATH) each kernel's PTX is also
+assembled for the GPU, which checks what only the assembler does: registers, and the 64 KiB of constant
+memory a kernel's module-level tables go to ("File uses too much global constant data" on an H200 once).
 
 Every kernel, with the argument types the tests really launch it with (matmul, ops, sampler too):
 
@@ -36,6 +39,7 @@ def main() -> int:
     ap.add_argument("--cc", default="9.0", help="compute capability (default 9.0: H100 / H200)")
     ap.add_argument("--sigs", help="compile every kernel launch recorded under the simulator instead: the file "
                     "written by PYKV_CUDA_SIGS=FILE python -m pytest tests/test_cuda_*.py (all cuda modules)")
+    ap.add_argument("--ptxas", help="ptxas to assemble each kernel with (default: the --site wheel's, else PATH)")
     a = ap.parse_args()
     if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
         print("cuda_ptx_check: unset NUMBA_ENABLE_CUDASIM (this compiles for a real GPU)")
@@ -71,6 +75,8 @@ def main() -> int:
                  (CA._batch_kernel, (f32_3, u8_3, u8_3, u8_4, u8_4, u8_4, u8_4, nt.int32[:, ::1],
                                      nt.int32[:, ::1]) + (I,) * 6 + (f32_5,)),
                  (CA._merge_kernel, (f32_5, I, I, f32_3))]
+    ptxas = find_ptxas(a.ptxas, a.site)
+    print(f"ptxas: {ptxas or 'none found (PTX only)'}")
     bad = 0
     for k, sig in jobs:
         name = k.py_func.__name__
@@ -85,10 +91,52 @@ def main() -> int:
             continue
         fma = ptx.count("fma.rn.f32")
         ok = not (k.py_func.__name__ in QUANTIZERS and fma)
-        bad += not ok
-        print(f"{name}: {len(ptx)} chars of PTX, {fma} fma.rn.f32, {time.time() - t:.1f} s"
+        asm = assemble(ptxas, ptx, cc) if ptxas else ""
+        bad += (not ok) + asm.startswith("FAILED")
+        print(f"{name}: {len(ptx)} chars of PTX, {const_bytes(ptx)} B constant data, {fma} fma.rn.f32, "
+              f"{time.time() - t:.1f} s" + (f", ptxas {asm}" if asm else "")
               + ("" if ok else "  <- a quantizer with fused multiply-adds: GPU bytes may differ"))
     return 1 if bad else 0
+
+
+def const_bytes(ptx):
+    """Bytes of the .const arrays a PTX module declares (ptxas allows 64 KiB)."""
+    import re
+    return sum(int(n) for n in re.findall(r"^\.const\s.*?\[(\d+)\]", ptx, re.M))
+
+
+def find_ptxas(given, site_dir):
+    import shutil
+    if given:
+        return given
+    if site_dir:
+        p = os.path.join(site_dir, "nvidia", "cuda_nvcc", "bin", "ptxas")
+        if os.path.exists(p):
+            return p
+    return shutil.which("ptxas")
+
+
+def assemble(ptxas, ptx, cc):
+    """'ok' or 'FAILED: <ptxas's first error line>'.  A PTX .version newer than this ptxas knows (NVVM and
+    ptxas from different CUDA releases) is lowered to the one ptxas names and assembled again."""
+    import re
+    import subprocess
+    import tempfile
+    with tempfile.TemporaryDirectory() as d:
+        src = os.path.join(d, "k.ptx")
+        for _ in range(2):
+            with open(src, "w") as f:
+                f.write(ptx)
+            r = subprocess.run([ptxas, f"-arch=sm_{cc[0]}{cc[1]}", src, "-o", os.path.join(d, "k.cubin")],
+                               capture_output=True, text=True)
+            if r.returncode == 0:
+                return "ok"
+            m = re.search(r"current version is '([\d.]+)'", r.stderr)
+            if not m:
+                break
+            ptx = re.sub(r"^\.version\s+[\d.]+", ".version " + m.group(1), ptx, count=1, flags=re.M)
+        err = [ln for ln in r.stderr.splitlines() if "error" in ln or "fatal" in ln] or r.stderr.splitlines() or ["?"]
+        return "FAILED: " + err[0].strip()
 
 
 def recorded(path):

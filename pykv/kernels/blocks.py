@@ -73,9 +73,38 @@ for _f in KV_FORMATS.values():
         NL_BYTES[_f.code] = _f.block_bytes
 del _b, _h, _n, _f, _w
 
+
+# The nl tables are read only through these four functions, each with one signature (int64 indices): a
+# numba.cuda kernel gets its own copy of a module-level array in constant memory for every place in its
+# code that reads one, and with a read at each use the KV append kernel held 70 KB of copies, past the
+# GPU's 64 KiB (ptxas: "too much global constant data"; the CUDA simulator has no such limit).
+@njit(cache=True)
+def nl_level(bits, i):
+    """NL_TABLE[bits, i]: level i of the 2^bits-level codebook."""
+    return NL_TABLE[bits, i]
+
+
+@njit(cache=True)
+def nl_width(code, j):
+    """NL_BITS[code, j] as int64: the code width of position j of a format-`code` block."""
+    return np.int64(NL_BITS[code, j])
+
+
+@njit(cache=True)
+def nl_offset(code, j):
+    """NL_OFF[code, j] as int64: the bit offset of position j's code in the block's code stream."""
+    return np.int64(NL_OFF[code, j])
+
+
+@njit(cache=True)
+def nl_e8(e):
+    """NL_E8[e] = 2^((e - 160) / 8): the byte scale e's d (e = 0: 0.0)."""
+    return NL_E8[e]
+
 __all__ = ["deq_q8_0", "deq_q4_0", "deq_q4_1", "deq_q5", "deq_iq4_nl", "deq_int2", "deq_f32",
            "deq_f16", "deq_bf16", "deq_fp8", "deq_rows", "deq_kivi_k_rows", "deq_unit", "deq_kivi_k_unit", "rd_f16",
-           "rd_f32", "rd_u32", "KVALUES_IQ4NL", "IQ4NL_F", "NL_TABLE", "NL_BITS", "NL_OFF", "NL_BYTES", "NL_SCALE", "NL_E8", "deq_nl"]
+           "rd_f32", "rd_u32", "KVALUES_IQ4NL", "IQ4NL_F", "NL_TABLE", "NL_BITS", "NL_OFF", "NL_BYTES", "NL_SCALE", "NL_E8", "deq_nl",
+           "nl_level", "nl_width", "nl_offset", "nl_e8"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -165,16 +194,17 @@ def deq_nl(src, so, out, oo, code):
     NL_TABLE[bits, code] (code widths <= 8)."""
     o = U(so)
     sb = NL_SCALE[code]
-    d = rd_f16(src, o) if sb == 2 else NL_E8[src[o]]
+    d = rd_f16(src, o) if sb == 2 else nl_e8(np.int64(src[o]))
+    c = np.int64(code)
     for j in range(64):
-        bits = NL_BITS[code, j]
-        bit = NL_OFF[code, j]
+        bits = nl_width(c, np.int64(j))
+        bit = nl_offset(c, np.int64(j))
         p = o + U(sb + (bit >> 3))
         sh = bit & 7
-        v = np.int32(src[p]) >> sh
+        v = np.int64(src[p]) >> sh
         if sh + bits > 8:
-            v |= np.int32(src[p + U(1)]) << (8 - sh)
-        out[U(oo + j)] = d * NL_TABLE[bits, v & ((1 << bits) - 1)]
+            v |= np.int64(src[p + U(1)]) << (8 - sh)
+        out[U(oo + j)] = d * nl_level(bits, v & ((1 << bits) - 1))
 
 
 # ----------------------------------------------------------------------------------------------

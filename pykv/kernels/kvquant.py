@@ -65,7 +65,7 @@ from numba import njit, prange
 
 from ..formats import (CODE_BF16, CODE_F16, CODE_F32, CODE_FP8_E4M3, CODE_FP8_E5M2, CODE_INT2,
                        CODE_INT4, CODE_IQ4_NL, CODE_Q4_0, CODE_Q4_1, CODE_Q5_0, CODE_Q5_1, CODE_Q8_0)
-from .blocks import IQ4NL_F, NL_BITS, NL_BYTES, NL_E8, NL_OFF, NL_SCALE, NL_TABLE, deq_rows, rd_f16
+from .blocks import IQ4NL_F, NL_BYTES, NL_SCALE, deq_rows, nl_e8, nl_level, nl_offset, nl_width, rd_f16
 from .ops import PAR_T
 from .simd import bits_f32, f32_bits, floorf, fmul_rn, h2f
 
@@ -357,17 +357,34 @@ def _qblk_iq4_nl(x, xo, dst, do, ntry):
 
 @njit(cache=True)
 def _nl_index(v, bits):
-    """Index of the NL_TABLE[bits] level nearest to v (levels ascending; a tie takes the lower one)."""
-    lo = 0
-    hi = (1 << bits) - 1
+    """Index of the NL_TABLE[bits] level nearest to v (levels ascending; a tie takes the lower one).
+    bits: int64 (blocks.nl_width)."""
+    lo = np.int64(0)
+    hi = (np.int64(1) << bits) - 1
     while hi - lo > 1:                 # NL_TABLE[bits, lo] <= v < NL_TABLE[bits, hi] once v is inside
         mid = (lo + hi) // 2
-        if v < NL_TABLE[bits, mid]:
+        if v < nl_level(bits, mid):
             hi = mid
         else:
             lo = mid
-    if abs(v - NL_TABLE[bits, hi]) < abs(v - NL_TABLE[bits, lo]):
+    if abs(v - nl_level(bits, hi)) < abs(v - nl_level(bits, lo)):
         return hi
+    return lo
+
+
+@njit(cache=True)
+def nl_e8_floor(d):
+    """The largest byte scale e in 1..255 with NL_E8[e] <= d (1 when d < NL_E8[1]): the lower of the two
+    steps around d.  Float compares against the table only, so the CPU and a GPU pick the same e
+    (floor(8 * log2(d)) did this before; the two devices' log2 can differ in the last bit)."""
+    lo = np.int64(1)
+    hi = np.int64(256)
+    while hi - lo > 1:                 # NL_E8[lo] <= d (or lo = 1), d < NL_E8[hi] (or hi = 256)
+        mid = (lo + hi) // 2
+        if nl_e8(mid) <= d:
+            lo = mid
+        else:
+            hi = mid
     return lo
 
 
@@ -376,9 +393,10 @@ def _nl_sse(x, xo, code, d):
     """Squared error of block x[xo:xo+64] stored with scale d (each code the nearest level)."""
     idd = np.float32(1.0) / d
     e = np.float32(0.0)
+    c = np.int64(code)
     for j in range(64):
-        bits = NL_BITS[code, j]
-        r = x[xo + j] - d * NL_TABLE[bits, _nl_index(fmul_rn(x[xo + j], idd), bits)]
+        bits = nl_width(c, np.int64(j))
+        r = x[xo + j] - fmul_rn(d, nl_level(bits, _nl_index(fmul_rn(x[xo + j], idd), bits)))
         e += fmul_rn(r, r)
     return e
 
@@ -386,6 +404,7 @@ def _nl_sse(x, xo, code, d):
 @njit(cache=True)
 def _qblk_nl(x, xo, dst, do, code):
     """nl-family block (format `code`, position widths NL_BITS[code]) of x[xo:xo+64] -> dst[do:]."""
+    c = np.int64(code)
     ss = np.float32(0.0)
     for j in range(64):
         ss += fmul_rn(x[xo + j], x[xo + j])
@@ -397,8 +416,8 @@ def _qblk_nl(x, xo, dst, do, code):
         sqx = np.float32(0.0)
         sq2 = np.float32(0.0)
         for j in range(64):
-            bits = NL_BITS[code, j]
-            q = NL_TABLE[bits, _nl_index(fmul_rn(x[xo + j], idd), bits)]
+            bits = nl_width(c, np.int64(j))
+            q = nl_level(bits, _nl_index(fmul_rn(x[xo + j], idd), bits))
             sqx += fmul_rn(q, x[xo + j])
             sq2 += fmul_rn(q, q)
         d = sqx / sq2
@@ -410,23 +429,23 @@ def _qblk_nl(x, xo, dst, do, code):
     else:                            # the byte scale: the better of the two steps around d
         e = 0
         if d > np.float32(0.0):
-            lo = min(max(np.int64(math.floor(np.float32(8.0) * math.log2(d))) + 160, 1), 255)
-            hi = min(lo + 1, 255)
-            e = lo if _nl_sse(x, xo, code, NL_E8[lo]) <= _nl_sse(x, xo, code, NL_E8[hi]) else hi
+            lo = nl_e8_floor(d)
+            hi = min(lo + 1, np.int64(255))
+            e = lo if _nl_sse(x, xo, c, nl_e8(lo)) <= _nl_sse(x, xo, c, nl_e8(hi)) else hi
         dst[do] = np.uint8(e)
-        dh = NL_E8[e]
+        dh = nl_e8(np.int64(e))
     idd = np.float32(1.0) / dh if dh != np.float32(0.0) else np.float32(0.0)
     for k in range(NL_BYTES[code] - sb):
         dst[do + sb + k] = np.uint8(0)
     for j in range(64):
-        bits = NL_BITS[code, j]
-        c = _nl_index(fmul_rn(x[xo + j], idd), bits)
-        bit = NL_OFF[code, j]
+        bits = nl_width(c, np.int64(j))
+        q = _nl_index(fmul_rn(x[xo + j], idd), bits)
+        bit = nl_offset(c, np.int64(j))
         p = do + sb + (bit >> 3)
         sh = bit & 7
-        dst[p] |= np.uint8((c << sh) & 0xFF)
+        dst[p] |= np.uint8((q << sh) & 0xFF)
         if sh + bits > 8:
-            dst[p + 1] |= np.uint8(c >> (8 - sh))
+            dst[p + 1] |= np.uint8(q >> (8 - sh))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -5,8 +5,15 @@ Reductions: on a GPU, warp sums use shuffles (cuda.shfl_down_sync); under NUMBA_
 simulator has no shuffles) they go through shared memory instead (SIM below, fixed at import)."""
 import os
 
-from numba import config, cuda
 import numpy as np
+
+# numba-cuda registers an overload for np.row_stack, which NumPy 2.5 removed (an alias of np.vstack since
+# 2.0): without the alias every first kernel compile fails with AttributeError (seen on an H200 with numpy
+# 2.5.2).  Put the alias back before numba.cuda's array overloads load.
+if not hasattr(np, "row_stack"):
+    np.row_stack = np.vstack
+
+from numba import config, cuda  # noqa: E402
 
 SIM = bool(config.ENABLE_CUDASIM)
 # lanes of a "warp" (the threads that share one weight row): 32 on a GPU (shuffle sums); 2 under the
