@@ -99,6 +99,8 @@ def run_tests(tiny: bool) -> bool:
         env["PYKV_REAL_GPU"] = "1"
         env.pop("NUMBA_ENABLE_CUDASIM", None)
         args = sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "tests", "test_cuda_*.py")))
+        if importlib.util.find_spec("xdist"):   # the files compile their kernels (NVVM, CPU-bound) in parallel
+            args = ["-n", str(min(len(args), os.cpu_count() or 1)), "--dist", "loadfile", *args]
     t0 = time.perf_counter()
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args], cwd=ROOT, env=env,
                        capture_output=True, text=True)
