@@ -284,3 +284,32 @@ def test_class_table_ratios_and_misses():
     assert "decode @ d16 >= 1.0x: missed in avx2 Q6_K 0.97" in text
     assert "prefill pp512 >= 1.0x: met in every cell" in text
     assert "**1.25**" in text and "missed in avx2 1.25" in text
+
+
+def test_cuda_ptx_check_assembles_and_reports_constant_data(tmp_path):
+    """tools/cuda_ptx_check's ptxas step (no GPU and no CUDA here: a stand-in ptxas): a PTX .version newer
+    than the assembler is lowered to the one it names and assembled again; the constant-data error an
+    H200 gave is reported as a failure; the .const bytes of a module are summed."""
+    c = _tool("cuda_ptx_check")
+    fake = tmp_path / "ptxas"
+    fake.write_text("#!/bin/sh\n"
+                    "src=\"$2\"\n"
+                    "if grep -q '^.version 9.0' \"$src\"; then\n"
+                    "  echo \"ptxas $src, line 9; fatal   : Unsupported .version 9.0; current version is '8.8'\" >&2; exit 255; fi\n"
+                    "if grep -q 'big' \"$src\"; then\n"
+                    "  echo 'ptxas error   : File uses too much global constant data (0x111c0 bytes, 0x10000 max)' >&2; exit 255; fi\n"
+                    "[ \"$1\" = -arch=sm_90 ] || exit 3\n"
+                    "touch \"$4\"\n")
+    fake.chmod(0o755)
+    ptx = (".version 9.0\n.target sm_90\n"
+           ".const .align 4 .b8 _cudapy_cmem[80] = {0};\n"
+           ".const .align 4 .b8 _cudapy_cmem$1[9216] = {0};\n")
+    assert c.const_bytes(ptx) == 9296
+    assert c.assemble(str(fake), ptx, (9, 0)) == "ok"                        # after lowering .version
+    got = c.assemble(str(fake), ptx + "// big\n", (9, 0))
+    assert got.startswith("FAILED") and "too much global constant data" in got, got
+    assert c.find_ptxas(None, str(tmp_path / "none")) in (None, __import__("shutil").which("ptxas"))
+    site = tmp_path / "site" / "nvidia" / "cuda_nvcc" / "bin"
+    site.mkdir(parents=True)
+    (site / "ptxas").write_text("")
+    assert c.find_ptxas(None, str(tmp_path / "site")) == str(site / "ptxas")
