@@ -293,19 +293,21 @@ def test_cuda_ptx_check_assembles_and_reports_constant_data(tmp_path):
     c = _tool("cuda_ptx_check")
     fake = tmp_path / "ptxas"
     fake.write_text("#!/bin/sh\n"
-                    "src=\"$2\"\n"
+                    "src=\"$3\"\n"
                     "if grep -q '^.version 9.0' \"$src\"; then\n"
                     "  echo \"ptxas $src, line 9; fatal   : Unsupported .version 9.0; current version is '8.8'\" >&2; exit 255; fi\n"
                     "if grep -q 'big' \"$src\"; then\n"
                     "  echo 'ptxas error   : File uses too much global constant data (0x111c0 bytes, 0x10000 max)' >&2; exit 255; fi\n"
-                    "[ \"$1\" = -arch=sm_90 ] || exit 3\n"
-                    "touch \"$4\"\n")
+                    "[ \"$2\" = -arch=sm_90 ] || exit 3\n"
+                    "echo 'ptxas info    : Used 118 registers, used 1 barriers, 34112 bytes smem' >&2\n"
+                    "echo 'ptxas info    : 0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads' >&2\n"
+                    "touch \"$5\"\n")
     fake.chmod(0o755)
     ptx = (".version 9.0\n.target sm_90\n"
            ".const .align 4 .b8 _cudapy_cmem[80] = {0};\n"
            ".const .align 4 .b8 _cudapy_cmem$1[9216] = {0};\n")
     assert c.const_bytes(ptx) == 9296
-    assert c.assemble(str(fake), ptx, (9, 0)) == "ok"                        # after lowering .version
+    assert c.assemble(str(fake), ptx, (9, 0)) == "ok (118 registers, 0 B spill stores, 34112 B shared)"  # .version lowered
     got = c.assemble(str(fake), ptx + "// big\n", (9, 0))
     assert got.startswith("FAILED") and "too much global constant data" in got, got
     assert c.find_ptxas(None, str(tmp_path / "none")) in (None, __import__("shutil").which("ptxas"))
