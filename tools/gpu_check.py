@@ -8,7 +8,8 @@ file is needed: a synthetic model with SmolLM2-135M-Instruct.Q4_1's exact shapes
 from the real file: every layer matrix Q4_1, token_embd Q8_0 and tied, norms F32) and random weights is
 written with gguf's writer (tests/reference.write_tiny_gguf).
 
-    1. the CUDA tests (tests/test_cuda_*.py) on the device (PYKV_REAL_GPU=1);
+    1. the CUDA tests (tests/test_cuda_*.py) on the device (PYKV_REAL_GPU=1), in a subprocess that runs
+       beside step 2 and ends before step 3;
     2. greedy generation, CUDA vs CPU (exact float activations) on the synthetic model;
     3. attention bandwidth: bytes of K/V read / time of one attend_batch launch (+ merge) for f16,
        q8_0, q4_0, int4 caches at 4K and 32K tokens x 1, 8, 32 sequences, beside a device-to-device
@@ -91,7 +92,9 @@ class LaunchCounter:
 
 
 # ---- 1. tests ---------------------------------------------------------------------------------------------
-def run_tests(tiny: bool) -> bool:
+def start_tests(tiny: bool):
+    """The CUDA tests in a subprocess, started now and collected by finish_tests: they compile their kernels
+    (NVVM, CPU-bound, on other cores) while step 2 runs, and end before the timed steps 3 and 4."""
     env = dict(os.environ)
     if tiny:     # the simulator: one short file stands for the suite (the CI runs all of it)
         args = ["tests/test_cuda_ops.py", "-k", "fill_zero or rope"]
@@ -101,13 +104,21 @@ def run_tests(tiny: bool) -> bool:
         args = sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "tests", "test_cuda_*.py")))
         if importlib.util.find_spec("xdist"):   # the files compile their kernels (NVVM, CPU-bound) in parallel
             args = ["-n", str(min(len(args), os.cpu_count() or 1)), "--dist", "loadfile", *args]
-    t0 = time.perf_counter()
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args], cwd=ROOT, env=env,
-                       capture_output=True, text=True)
-    tail = (r.stdout + r.stderr).strip().splitlines()
+    log("  started in the background: " + " ".join(["pytest", *args]))
+    out = tempfile.TemporaryFile("w+")
+    p = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args], cwd=ROOT, env=env,
+                         stdout=out, stderr=subprocess.STDOUT, text=True)
+    return p, out, time.perf_counter()
+
+
+def finish_tests(job) -> bool:
+    p, out, t0 = job
+    rc = p.wait()
+    out.seek(0)
+    tail = out.read().strip().splitlines()
     log("\n".join(tail[-15:]))
-    log(f"tests: exit {r.returncode} in {time.perf_counter() - t0:.0f} s")
-    return r.returncode == 0
+    log(f"tests: exit {rc} in {time.perf_counter() - t0:.0f} s")
+    return rc == 0
 
 
 # ---- 2. greedy CUDA vs CPU --------------------------------------------------------------------------------
@@ -270,9 +281,10 @@ def main(argv=None) -> int:
         dev = "?"
     log(f"device: {dev}; {'tiny' if args.tiny else 'SmolLM2-135M'} shapes")
     ok = True
+    tests = None
     if not args.skip_tests:
         log("\n== 1. CUDA tests on the device")
-        ok &= run_tests(args.tiny)
+        tests = start_tests(args.tiny)
 
     shapes = TINY if args.tiny else SMOLLM2
     from gguf import GGMLQuantizationType as T
@@ -285,7 +297,12 @@ def main(argv=None) -> int:
     log(f"\nsynthetic model {path}: {os.path.getsize(path) / 1e6:.1f} MB written in {time.perf_counter() - t0:.1f} s")
 
     log("\n== 2. greedy, CUDA vs CPU (exact float activations)")
-    ok &= greedy_check(path, 2 if args.tiny else 16)
+    try:
+        ok &= greedy_check(path, 2 if args.tiny else 16)
+    finally:                  # the tests' results also when step 2 fails with an error
+        if tests is not None:
+            log("\n== 1. CUDA tests on the device (the results)")
+            ok &= finish_tests(tests)
 
     log("\n== 3. attention bandwidth (attend_batch: one launch + the merge for all sequences)")
     be = get_backend("cuda")
