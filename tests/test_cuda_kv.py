@@ -23,7 +23,8 @@ from pykv.kernels.backend import CudaBackend, get_backend
 from pykv.kernels.cuda.shared import SIM
 from pykv.kv_cache import KVCache
 
-FORMATS = [n for n, f in KV_FORMATS.items() if f.kind not in ("nl", "klt")]   # nl / klt: CPU only for now
+FORMATS = [n for n, f in KV_FORMATS.items() if f.kind not in ("nl", "klt")]
+NL = [n for n, f in KV_FORMATS.items() if f.kind == "nl"]     # blocks of 64: head_dim 64 here; klt: CPU only
 P = 4
 RTOL = 1e-4
 
@@ -133,10 +134,14 @@ def close(a, b, what):
     assert np.isfinite(b).all() and err <= RTOL, f"{what}: relative error {err:.2e}"
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
+def hd_for(fmt):
+    return 64 if KV_FORMATS[fmt].kind == "nl" else 32
+
+
+@pytest.mark.parametrize("fmt", FORMATS + NL)
 def test_append_bytes_identical(be, fmt):
     """Quantize-on-append, sinks, KIVI window and page flushes: the cuda cache's bytes are the CPU's."""
-    cfg = make_cfg(1, 2)
+    cfg = make_cfg(1, 2, HD=hd_for(fmt))
     cpu, dev = twin_caches(be, cfg, fmt, fmt)
     sc, sd = cpu.new_sequence(), dev.new_sequence()
     rng = np.random.default_rng(1)
@@ -146,11 +151,11 @@ def test_append_bytes_identical(be, fmt):
 
 
 @pytest.mark.parametrize("fmt,G", [(f, 3) for f in FORMATS] + [("q4_0", 1), ("q4_0", 8), ("int4", 8),
-                                                               ("f16", 1)])
+                                                               ("f16", 1), ("nl4", 1), ("nl3b", 3)])
 def test_attend_matches_cpu(be, fmt, G):
     """Decode (T = 1) at page-straddling depths and prefill (T > 1, causal, n_past > 0) over several
     chunk counts, GQA group G."""
-    cfg = make_cfg(G, 2 if G < 8 else 1)
+    cfg = make_cfg(G, 2 if G < 8 else 1, HD=hd_for(fmt))
     H, HD = cfg.n_heads, cfg.head_dim
     cpu, dev = twin_caches(be, cfg, fmt, fmt)
     sc, sd = cpu.new_sequence(), dev.new_sequence()
@@ -217,11 +222,11 @@ def test_smooth_stats_on_device(be):
         assert np.array_equal(a, b), name
 
 
-def test_nl_types_refused_on_cuda():
-    """nl4/nl3/nl2 have no GPU attention yet: a cuda cache of them is a one-line error, not wrong numbers."""
+def test_klt_types_refused_on_cuda():
+    """klt key types need their calibrated key transform, CPU code for now: a cuda cache of them is a
+    one-line error, not wrong numbers (the nl types run there: the tests above)."""
     from pykv.config import PykvError
     cfg = make_cfg(1, 1, HD=64)
-    with pytest.raises(PykvError, match="CPU only"):
-        KVCache(cfg, 64, "nl4", "f16", page_tokens=P, backend=get_backend("cuda"))
+    assert KVCache(cfg, 64, "nl4", "nl3b", page_tokens=P, backend=get_backend("cuda")).layers[0].k_fmt.name == "nl4"
     with pytest.raises(PykvError, match="CPU only"):
         KVCache(cfg, 64, "klt2", "f16", page_tokens=P, backend=get_backend("cuda"))

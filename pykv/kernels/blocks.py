@@ -14,7 +14,7 @@ values to the C-contiguous float32 array `out` from flat element offset `oo`:
     deq_rows(code, src, o0, rb, n, out)         n KV rows of any format (row r at byte o0 + r * rb) -> out[n, HD]
     deq_kivi_k_rows(bits, page, s0, n, out, dk, mk)   tokens s0 .. s0+n of a KIVI key page -> out[n, HD]
     deq_unit(code, src, ro, b, HD, out, oo)     piece b of one KV row (kvquant.row_units' pieces: a
-                                                32-value block, or a whole fp8 row) -> out[oo + 32b ...]
+                                                32-value block, an nl-family block of 64, or a whole fp8 row)
     deq_kivi_k_unit(bits, page, s, b, HD, out, oo)   channels 32b .. 32b+31 of token s of a KIVI key page
 The two *_unit decoders are the per-thread work of kernels.cuda.attention (they call the same block
 decoders; numba.cuda compiles these @njit functions for the GPU, so everything here keeps to the
@@ -347,8 +347,9 @@ def deq_kivi_k_rows(bits, page, s0, n, out, dk, mk):
 @njit(cache=True, inline="always")
 def deq_unit(code, src, ro, b, HD, out, oo):
     """Piece b of the HD-value KV row of format `code` at byte ro of src -> out[oo + 32b ...]: the
-    b-th block of 32 values (float formats: values 32b .. min(32b + 32, HD)), or the whole row for fp8
-    (b = 0).  Same decoders, same values as deq_rows."""
+    b-th block of 32 values (float formats: values 32b .. min(32b + 32, HD)), the b-th block of 64 for
+    the nl family (-> out[oo + 64b ...]), or the whole row for fp8 (b = 0).  Same decoders, same values
+    as deq_rows."""
     o = oo + 32 * b
     if code == CODE_F16:
         deq_f16(src, ro + 64 * b, min(32, HD - 32 * b), out, o)
@@ -372,6 +373,8 @@ def deq_unit(code, src, ro, b, HD, out, oo):
         deq_f32(src, ro + 128 * b, min(32, HD - 32 * b), out, o)
     elif code == CODE_BF16:
         deq_bf16(src, ro + 64 * b, min(32, HD - 32 * b), out, o)
+    elif NL_BYTES[code] > 0:         # nl4 / nl3 / nl2 / nl3b / nl2b (klt too): blocks of 64
+        deq_nl(src, ro + NL_BYTES[code] * b, out, oo + 64 * b, code)
 
 
 @njit(cache=True, inline="always")

@@ -17,7 +17,7 @@ the G = H / KVH heads of the KV group (at most RMAX rows; decode: the G heads). 
 keys in tiles of at most TILE tokens that stay inside one page and on one side of the sink / pool /
 f16-residual boundaries (the CPU's segments); per tile:
   1. the tile's K and V rows are decoded ONCE into shared memory for all query rows, one thread per
-     (row, 32-value piece), by kernels.blocks' own decoders (deq_unit / deq_kivi_k_unit: the sink
+     (row, piece of 32 values; 64 for the nl types), by kernels.blocks' own decoders (deq_unit / deq_kivi_k_unit: the sink
      and KIVI residual rows are f16, the pool rows any KV format, KIVI keys per-channel pages);
   2. scores, one thread per (query row, key): dot over HD in shared memory (rows padded to HD + 1
      floats: no bank conflicts);
