@@ -130,12 +130,12 @@ def assemble(ptxas, ptx, cc):
             r = subprocess.run([ptxas, "-v", f"-arch=sm_{cc[0]}{cc[1]}", src, "-o", os.path.join(d, "k.cubin")],
                                capture_output=True, text=True)
             if r.returncode == 0:          # -v: registers, spills, shared memory of each kernel
-                regs = re.findall(r"Used (\d+) registers", r.stderr)
-                spill = re.findall(r"(\d+) bytes spill stores", r.stderr)
-                smem = re.findall(r"(\d+) bytes smem", r.stderr)
-                info = ([f"{max(map(int, regs))} registers"] if regs else []) + \
-                    ([f"{max(map(int, spill))} B spill stores"] if spill else []) + \
-                    ([f"{max(map(int, smem))} B shared"] if smem else [])
+                info = []
+                for pat, unit in ((r"Used (\d+) registers", " registers"), (r"(\d+) bytes spill stores", " B spill stores"),
+                                  (r"(\d+) bytes smem", " B shared")):
+                    found = re.findall(pat, r.stderr)
+                    if found:
+                        info.append(f"{max(map(int, found))}{unit}")
                 return "ok" + (f" ({', '.join(info)})" if info else "")
             m = re.search(r"current version is '([\d.]+)'", r.stderr)
             if not m:

@@ -116,6 +116,7 @@ def finish_tests(job) -> bool:
     rc = p.wait()
     out.seek(0)
     tail = out.read().strip().splitlines()
+    out.close()
     log("\n".join(tail[-15:]))
     log(f"tests: exit {rc} in {time.perf_counter() - t0:.0f} s")
     return rc == 0
