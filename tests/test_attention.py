@@ -402,3 +402,32 @@ def test_window_bytes_and_truncate():
     assert cache.can_truncate(seq, 3)                   # all 6 tokens still in the ring
     push(cache, seq, 20, rng)
     assert not cache.can_truncate(seq, 20) and cache.can_truncate(seq, 26) and cache.can_truncate(seq, 0)
+
+
+def test_gemm_tile_matches_numpy():
+    """simd.gemm_tile, the prefill's micro-tile: C[m0:m0+MR, n0:n0+NR] (+)= A B for A read through element
+    strides (row-major and transposed), B and C row-major, K not a multiple of anything; the rest of C
+    is untouched."""
+    from numba import njit
+
+    from pykv.kernels.simd import gemm_tile
+
+    rng = np.random.default_rng(5)
+    for MR, NR, add in [(4, 24, False), (4, 16, True), (4, 8, False), (2, 8, True)]:
+        mk = gemm_tile(MR, NR, add)
+
+        @njit
+        def run(A, am, ak, B, C, m0, n0, K):
+            mk(A, am, ak, B, C, m0, n0, K)
+
+        for trans in (False, True):
+            M, N, K, m0, n0 = 9, 40, 13, 3, 8
+            A = rng.standard_normal((K, M) if trans else (M, K)).astype(np.float32)
+            B = rng.standard_normal((K, N)).astype(np.float32)
+            C = rng.standard_normal((M, N)).astype(np.float32)
+            want = C.copy()
+            Am = A.T if trans else A
+            want[m0:m0 + MR, n0:n0 + NR] = (want[m0:m0 + MR, n0:n0 + NR] if add else 0) + (
+                Am[m0:m0 + MR, :K].astype(np.float64) @ B[:K, n0:n0 + NR])
+            run(A, 1 if trans else K, M if trans else 1, B, C, m0, n0, K)
+            np.testing.assert_allclose(C, want, rtol=1e-5, atol=1e-5)

@@ -194,7 +194,7 @@ def _attn(s, j0, j1, rotate, n_past, chunk, ns_k, ns_v, li, smooth, K, pt, ksink
             a0 = c * chunk
             _att_item(q, kpool, vpool, kres, vres, ksink, vsink, pt, n_past, ns_k, ns_v, n_tot, n_tot, _I0, _I0,
                       Pg, kcode, kbits, vcode, rcode, g, _I0, np.int64(1), a0, min(a0 + chunk, n_tot), pv, c, kx,
-                      kcos, ksin)
+                      kcos, ksin, False)     # False: attend's decode specialization of _item (a literal)
     else:
         merge_row(pv, C, G, _I0, att)
 

@@ -8,9 +8,13 @@ store); LLVM lowers it to the host's widest vectors (AVX-512: two zmm, AVX2: fou
 Each decoder reads ONE ggml block at byte offset `so` of the uint8 array `src` and writes its 32 floats
 to the float32 array `dst` (any dimension, C-contiguous) at flat element offset `do`.  Like every kernel
 here they do no bounds checks: callers pass offsets inside the arrays.
+
+gemm_tile(MR, NR, add) is the register-blocked float32 GEMM micro-tile of attention's prefill (the same
+generic vector IR: <8 x float> accumulators and llvm.fmuladd).
 """
 from llvmlite import ir
 from numba import types
+from numba.core import cgutils
 from numba.extending import intrinsic
 
 I8, I16, I32, I64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
@@ -201,3 +205,73 @@ def _prefetch(builder, base, off, locality=3):
         "llvm.prefetch.p0", fnty=ir.FunctionType(ir.VoidType(), [I8.as_pointer(), I32, I32, I32]))
     builder.call(fn, [builder.bitcast(p, I8.as_pointer()), ir.Constant(I32, 0), ir.Constant(I32, locality),
                       ir.Constant(I32, 1)])
+
+
+def _gemm_typer(MR, NR, add):
+    """Typer of a register-blocked float32 GEMM micro-tile (see gemm_tile)."""
+    NV = NR // 8
+    v8 = _vec(F32, 8)
+
+    def typer(typingctx, A, am, ak, B, C, m0, n0, K):
+        if not (all(isinstance(a, types.Array) and a.dtype == types.float32 for a in (A, B, C))
+                and B.ndim == C.ndim == 2 and B.layout == C.layout == "C"
+                and all(isinstance(i, types.Integer) for i in (am, ak, m0, n0, K))):
+            return None
+
+        def codegen(context, builder, sig, args):
+            i64 = [context.cast(builder, args[i], sig.args[i], types.int64) for i in (1, 2, 5, 6, 7)]
+            am_, ak_, m0_, n0_, k_ = i64
+            ap, bp, cp = (_data(context, builder, sig.args[i], args[i]) for i in (0, 3, 4))
+            ldb = cgutils.unpack_tuple(builder, context.make_array(sig.args[3])(context, builder, args[3]).shape, 2)[1]
+            ldc = cgutils.unpack_tuple(builder, context.make_array(sig.args[4])(context, builder, args[4]).shape, 2)[1]
+            fma = builder.module.declare_intrinsic("llvm.fmuladd.v8f32", fnty=ir.FunctionType(v8, [v8] * 3))
+
+            def vptr(p, off):
+                return builder.bitcast(builder.gep(p, [off], inbounds=True), v8.as_pointer())
+
+            crow = [builder.add(builder.mul(builder.add(m0_, ir.Constant(I64, i)), ldc), n0_) for i in range(MR)]
+            cv = [[vptr(cp, builder.add(crow[i], ir.Constant(I64, 8 * v))) for v in range(NV)] for i in range(MR)]
+            init = [[builder.load(cv[i][v], align=4) if add else ir.Constant(v8, [0.0] * 8) for v in range(NV)]
+                    for i in range(MR)]
+            arow = [builder.mul(builder.add(m0_, ir.Constant(I64, i)), am_) for i in range(MR)]
+            pre = builder.block
+            loop = builder.append_basic_block("gemm.k")
+            done = builder.append_basic_block("gemm.done")
+            builder.branch(loop)
+            builder.position_at_end(loop)            # do k = 0 .. K-1 (K >= 1), accumulators in registers
+            k = builder.phi(I64)
+            acc = [[builder.phi(v8) for _ in range(NV)] for _ in range(MR)]
+            k.add_incoming(ir.Constant(I64, 0), pre)
+            boff = builder.add(builder.mul(k, ldb), n0_)
+            bv = [builder.load(vptr(bp, builder.add(boff, ir.Constant(I64, 8 * v))), align=4) for v in range(NV)]
+            koff = builder.mul(k, ak_)
+            new = []
+            for i in range(MR):
+                a = _splat(builder, builder.load(builder.gep(ap, [builder.add(arow[i], koff)], inbounds=True)), 8)
+                new.append([builder.call(fma, [a, bv[v], acc[i][v]]) for v in range(NV)])
+            k1 = builder.add(k, ir.Constant(I64, 1))
+            end = builder.block
+            k.add_incoming(k1, end)
+            for i in range(MR):
+                for v in range(NV):
+                    acc[i][v].add_incoming(init[i][v], pre)
+                    acc[i][v].add_incoming(new[i][v], end)
+            builder.cbranch(builder.icmp_signed("<", k1, k_), loop, done)
+            builder.position_at_end(done)
+            for i in range(MR):
+                for v in range(NV):
+                    builder.store(new[i][v], cv[i][v], align=4)
+            return context.get_dummy_value()
+        return types.void(A, am, ak, B, C, m0, n0, K), codegen
+    typer.__name__ = f"gemm_{MR}x{NR}" + ("_add" if add else "")
+    return typer
+
+
+def gemm_tile(MR, NR, add):
+    """Intrinsic (A, am, ak, B, C, m0, n0, K): for i < MR, C[m0 + i, n0:n0 + NR] = (C[...] if add else 0)
+    + sum_{k < K} A.flat[(m0 + i) * am + k * ak] * B[k, n0:n0 + NR].  A: any float32 array read through
+    element strides (am, ak); B, C: 2-D C-contiguous float32; NR a multiple of 8; K >= 1.  The MR x NR
+    outputs stay in registers (MR * NR / 8 <8 x float> accumulators) over the k loop: each step is NR / 8
+    vector loads of B, MR broadcasts of A and MR * NR / 8 fused multiply-adds (the micro-kernel of a
+    BLAS GEMM; generic vector IR, lowered to ymm FMA on x86 with FMA).  No bounds checks."""
+    return intrinsic(_gemm_typer(MR, NR, add))
