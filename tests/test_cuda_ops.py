@@ -110,3 +110,6 @@ def test_fill_zero(C):
     a = dev(np.ones((3, 5, 7), np.float32))
     C.fill_zero(a)
     assert not host(a).any()
+    b = dev(np.ones(105, np.float32))       # the kernel itself, striding: 2 blocks of 16 threads
+    C._fill_zero_kernel[2, 16](b)
+    assert not host(b).any()
