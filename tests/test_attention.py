@@ -431,3 +431,42 @@ def test_gemm_tile_matches_numpy():
                 Am[m0:m0 + MR, :K].astype(np.float64) @ B[:K, n0:n0 + NR])
             run(A, 1 if trans else K, M if trans else 1, B, C, m0, n0, K)
             np.testing.assert_allclose(C, want, rtol=1e-5, atol=1e-5)
+
+
+_CACHED_CALL = """
+import sys
+import numpy as np
+from pykv.config import Config
+from pykv.kv_cache import KVCache
+cfg = Config(arch="llama", n_layers=1, dim=576, n_heads=9, n_kv_heads=3, ff_dim=64, rope_base=10000.0,
+             rope_dims=64, norm_eps=1e-5, n_ctx_train=4096, n_vocab=32)
+rng = np.random.default_rng(5)
+cache = KVCache(cfg, 64, "q4_0", "q4_0", page_tokens=16)
+seq = cache.new_sequence()
+cache.reserve(seq, 40)
+cache.append(0, seq, rng.standard_normal((40, 3, 64)).astype(np.float32),
+             rng.standard_normal((40, 3, 64)).astype(np.float32))
+seq.n_tokens = 40
+q = (rng.standard_normal((8, 9, 64)) / 8).astype(np.float32)
+out = np.zeros((8, 9, 64), np.float32)
+cache.attend(0, seq, q, 32, 16, np.zeros((8, 3, 3, 3, 66), np.float32), out)
+np.save(sys.argv[1], out)
+"""
+
+
+def test_attend_loads_from_the_cache_in_a_new_process(tmp_path):
+    """attend calls _item's compiled specializations by symbol (attention._call_item): a new process that
+    loads attend from Numba's cache must load them first (attention._ItemsFirst), or the call jumps to an
+    unresolved symbol (a segfault).  The first run here compiles or loads; the second is a new process
+    loading everything from the cache, and must get the same bits."""
+    import subprocess
+    import sys
+    outs = []
+    for i in range(2):
+        f = tmp_path / f"out{i}.npy"
+        r = subprocess.run([sys.executable, "-c", _CACHED_CALL, str(f)], capture_output=True, text=True,
+                           timeout=600)
+        assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
+        outs.append(np.load(f))
+    assert np.abs(outs[0]).max() > 0
+    assert np.array_equal(outs[0], outs[1])

@@ -45,7 +45,9 @@ deq_rows (blocks.py, inside _deq) and the kvdot intrinsics are inlined here: Num
 a hash of every kernel source (kernels/__init__.py), so an edit there recompiles this module too.
 """
 import numpy as np
-from numba import njit, prange
+from numba import errors, njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
 
 from ..formats import CODE_Q8_0
 from .blocks import deq_kivi_k_rows, deq_rows
@@ -522,6 +524,40 @@ def _item(q, kpool, vpool, kres, vres, ksink, vsink, page_table, n_past, ns_k, n
                 st[2 + i] = acc[x, i]
 
 
+def item_cres(tys, mt):
+    """_item's compiled specialization for argument types tys and the literal mt (compiled, or loaded from
+    Numba's cache, now: _call_item needs its symbol in the process)."""
+    sig = tuple(tys) + (types.literal(mt),)
+    cres = _item.overloads.get(sig)
+    if cres is None:
+        _item.compile(sig)
+        cres = _item.overloads[sig]
+    return cres
+
+
+@intrinsic
+def _call_item(typingctx, fargs, mt):
+    """_item(*fargs, mt): a call to _item's own compiled specialization by its symbol, the call Numba makes,
+    without adding _item's code to the caller.  Numba links a callee's optimized module into every
+    caller and runs the optimizer and code generation over all of it again: attend spent ~35 s (of a
+    ~95 s cold attention compile, Zen 3) redoing both _item specializations, which LLVM had not inlined
+    (4 call sites in its module).  The JIT resolves the symbol because _item is compiled (or loaded)
+    first: here at attend's typing, and by _ItemsFirst when attend comes from the cache."""
+    if not isinstance(mt, types.BooleanLiteral):
+        raise errors.TypingError("_call_item: mt must be a literal bool")
+    tys = tuple(types.unliteral(t) for t in fargs.types)
+    cres = item_cres(tys, mt.literal_value)
+    sig = types.void(fargs, mt)
+
+    def codegen(context, builder, signature, args):
+        vals = cgutils.unpack_tuple(builder, args[0])
+        ins = [context.cast(builder, v, a, b) for v, a, b in zip(vals, fargs.types, tys)]
+        ins.append(args[1])
+        context.call_internal(builder, cres.fndesc, cres.signature, ins)
+        return context.get_dummy_value()
+    return sig, codegen
+
+
 @njit(cache=True, nogil=True, fastmath=_FM, inline="always")
 def _work(q, kpool, vpool, kres, vres, ksink, vsink, page_table, n_past, ns_k, ns_v, nq_k, nq_v, wk, wv, P,
           kcode, kbits, vcode, rcode, chunk, part, kx, cos, sin, it, C, NB, QB):
@@ -538,11 +574,11 @@ def _work(q, kpool, vpool, kres, vres, ksink, vsink, page_table, n_past, ns_k, n
     j0 = c * chunk
     j1 = min(j0 + chunk, n_past + t1)
     if QB > 1:       # a prefill: the specialization of _item with its GEMM micro-tiles
-        _item(q, kpool, vpool, kres, vres, ksink, vsink, page_table, n_past, ns_k, ns_v, nq_k, nq_v, wk, wv, P,
-              kcode, kbits, vcode, rcode, g, t0, t1, j0, j1, part, c, kx, cos, sin, True)
+        _call_item((q, kpool, vpool, kres, vres, ksink, vsink, page_table, n_past, ns_k, ns_v, nq_k, nq_v, wk, wv,
+                    P, kcode, kbits, vcode, rcode, g, t0, t1, j0, j1, part, c, kx, cos, sin), True)
     else:
-        _item(q, kpool, vpool, kres, vres, ksink, vsink, page_table, n_past, ns_k, ns_v, nq_k, nq_v, wk, wv, P,
-              kcode, kbits, vcode, rcode, g, t0, t1, j0, j1, part, c, kx, cos, sin, False)
+        _call_item((q, kpool, vpool, kres, vres, ksink, vsink, page_table, n_past, ns_k, ns_v, nq_k, nq_v, wk, wv,
+                    P, kcode, kbits, vcode, rcode, g, t0, t1, j0, j1, part, c, kx, cos, sin), False)
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=_FM)
@@ -582,6 +618,29 @@ def attend(q, kpool, vpool, kres, vres, ksink, vsink, page_table, n_past, ns_k, 
     else:
         for th in prange(T * H):
             _merge(part, C, G, th // H, th % H, out)
+
+
+class _ItemsFirst:
+    """attend's cache, loading _item's cached specializations (for this CPU) before attend's own code:
+    attend calls them by symbol (_call_item), and a symbol the JIT cannot resolve is a crash, not an
+    error (a fresh process that loads attend from the cache, without _item, segfaulted)."""
+
+    def __init__(self, cache):
+        self.cache = cache
+
+    def __getattr__(self, name):
+        return getattr(self.cache, name)
+
+    def load_overload(self, sig, target_context):
+        cf = getattr(_item._cache, "_cache_file", None)     # None: Numba's cache is off
+        magic = target_context.codegen().magic_tuple()
+        for key in (cf._load_index() if cf is not None else ()):
+            if key[1] == magic:
+                _item.compile(key[0])
+        return self.cache.load_overload(sig, target_context)
+
+
+attend._cache = _ItemsFirst(attend._cache)
 
 
 @njit(cache=True, nogil=True, fastmath=_FM, inline="always")
