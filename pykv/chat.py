@@ -286,7 +286,7 @@ def cmd_chat(args) -> int:
     """`pykv chat`: load the model (a pool of two contexts: the chat and a /load), run the loop."""
     from .cli import load_from_args
     from .session import Session
-    model = load_from_args(args, args.model, max_seqs=2)
+    model = load_from_args(args, args.model, compile_helper=True, max_seqs=2)
     session = Session.load(model, args.load) if args.load else model.session()
     sampling = {"max_tokens": args.n_predict, "temperature": args.temp, "top_k": args.top_k, "top_p": args.top_p,
                 "min_p": args.min_p, "repeat_penalty": args.repeat_penalty, "seed": args.seed}

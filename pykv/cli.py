@@ -75,18 +75,22 @@ def _kv_types(s: str):
     return parts if len(parts) > 1 else parts[0]
 
 
-def load_from_args(args, model_path, **kw):
+def load_from_args(args, model_path, compile_helper=False, **kw):
     from .kv_plan import load_planned
     if args.threads is not None and args.threads < 1:
         raise PykvError(f"-t/--threads must be >= 1, got {args.threads}")
     rot = {"on": True, "off": False, "auto": None}[args.kv_rotate]
     budget = parse_bytes(args.kv_budget) if args.kv_budget else None
-    return load_planned(model_path, n_ctx=args.ctx_size, kv_type_k=_kv_types(args.cache_type_k),
-                        kv_type_v=_kv_types(args.cache_type_v), threads=args.threads, kv_rotate=rot,
-                        kv_prerope={"on": True, "off": False, "auto": None}[args.kv_prerope], kv_budget=budget,
-                        device=args.device, kv_bits=args.kv_bits, kv_plan=args.kv_plan,
-                        kv_calib=args.kv_calib, kv_plan_out=args.kv_plan_out, verbose=True,
-                        kv_window=args.kv_window, kv_sinks=args.kv_sinks, kv_window_type=args.kv_window_type, **kw)
+    kw = dict(n_ctx=args.ctx_size, kv_type_k=_kv_types(args.cache_type_k), kv_type_v=_kv_types(args.cache_type_v),
+              threads=args.threads, kv_rotate=rot, kv_prerope={"on": True, "off": False, "auto": None}[args.kv_prerope],
+              kv_budget=budget, device=args.device, kv_bits=args.kv_bits, kv_plan=args.kv_plan,
+              kv_calib=args.kv_calib, kv_plan_out=args.kv_plan_out, verbose=True, kv_window=args.kv_window,
+              kv_sinks=args.kv_sinks, kv_window_type=args.kv_window_type, **kw)
+    model = load_planned(model_path, **kw)
+    if compile_helper:
+        from .warm import start
+        start(model, kw)
+    return model
 
 
 def cmd_run(args) -> int:
@@ -104,7 +108,7 @@ def cmd_run(args) -> int:
         if not 1 <= len(pos) <= 2:
             raise PykvError("usage: pykv run [MODEL] PROMPT (quote the prompt)")
         model_path, prompt = pos if len(pos) == 2 else (None, pos[0])
-    model = load_from_args(args, model_path)
+    model = load_from_args(args, model_path, compile_helper=True)
     out = sys.stdout
     if args.echo:
         out.write(prompt)

@@ -194,6 +194,7 @@ class Model:
                          "kv_window_type": kv_window_type}
         self.n_batch = int(n_batch)
         self._bound = {}     # layer -> its decode products bound to the run state (_bound_calls)
+        self.compile_helper = None   # pykv.warm.Helper compiling the decode kernels elsewhere (a cold cache)
         self.max_chunks = 8 * self.be.max_workers + 2
         self.state = RunState(cfg, self.n_batch, self.max_chunks, self.be)
         cos, sin = rope_tables(self.n_ctx, cfg.rope_dims, cfg.rope_base, cfg.rope_freq_scale,
@@ -360,6 +361,9 @@ class Model:
         or None when need_logits is False."""
         T, st, w = len(ids), self.state, self.weights
         ops, mm = self.be.ops, self.be.matmul
+        if T == 1 and self.compile_helper is not None:    # it compiles this step's kernels: load them
+            self.compile_helper.wait()
+            self.compile_helper = None
         self.cache.reserve(seq, T)
         mm.get_rows(w.token_embd, ids, st.x[:T])
         chunk = self.cache.chunk_for(seq.n_tokens + T, T, self.be.workers())

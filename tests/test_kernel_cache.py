@@ -30,3 +30,66 @@ def test_an_inlined_module_edit_changes_the_hash(tmp_path):
     assert h1 != h0
     (dst.parent / "formats.py").write_text((dst.parent / "formats.py").read_text() + "\n")
     assert K.source_hash(str(dst)) != h1          # formats.py's constants are compiled in too
+
+
+# A child process that compiles one signature of a cached function of a module in `folder` (argv: folder,
+# type, role).  The roles widen the race Numba leaves between reading a function's index and writing its
+# data file: "first" reads the index, tells "second" (a marker file) and sleeps before writing the index;
+# "second" waits for the marker, then writes its index at once but sleeps before writing its data.
+# Unlocked, both read an empty index and pick data file 1; the index ends naming "first"'s signature
+# and the file holds "second"'s code.
+_RACER = r"""
+import os, sys, time
+folder, ty, role = sys.argv[1:4]
+sys.path.insert(0, folder)
+import pykv.kernels                       # the cache folder and its lock
+from numba.core import caching
+marker = os.path.join(folder, "marker")
+save_index, save_data = caching.IndexDataCacheFile._save_index, caching.IndexDataCacheFile._save_data
+def slow_index(self, overloads):
+    if role == "first":
+        open(marker, "w").close()
+        time.sleep(1.5)
+    return save_index(self, overloads)
+def slow_data(self, name, data):
+    if role == "second":
+        time.sleep(2.0)
+    return save_data(self, name, data)
+caching.IndexDataCacheFile._save_index, caching.IndexDataCacheFile._save_data = slow_index, slow_data
+if role == "second":
+    while not os.path.exists(marker):
+        time.sleep(0.01)
+import racemod
+x = 3 if ty == "int" else 3.0
+print(racemod.f(x))
+"""
+
+_CHECK = r"""
+import sys
+sys.path.insert(0, sys.argv[1])
+import pykv.kernels
+import racemod
+print(racemod.f(3), racemod.f(3.0), len(racemod.f.stats.cache_hits))
+"""
+
+
+def test_two_processes_saving_one_function_keep_the_cache_consistent(tmp_path):
+    """Two processes save two signatures of one cached function at once (timed so that, without
+    kernels/__init__'s lock, both pick the same data file); a third process must load each signature's
+    own code from the cache: f(3) == 4 and f(3.0) == 4.0, both cache hits."""
+    import os
+    import subprocess
+    import sys
+    (tmp_path / "racemod.py").write_text("from numba import njit\n\n@njit(cache=True)\ndef f(x):\n    return x + 1\n")
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "cache")}
+    first = subprocess.Popen([sys.executable, "-c", _RACER, str(tmp_path), "int", "first"], env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    second = subprocess.Popen([sys.executable, "-c", _RACER, str(tmp_path), "float", "second"], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for p, want in ((first, "4"), (second, "4.0")):
+        out, err = p.communicate(timeout=300)
+        assert p.returncode == 0 and out.split() == [want], (out, err[-2000:])
+    r = subprocess.run([sys.executable, "-c", _CHECK, str(tmp_path)], env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split() == ["4", "4.0", "2"], r.stdout

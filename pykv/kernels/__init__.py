@@ -4,11 +4,24 @@ Importing this package points Numba's on-disk cache at a folder named by a hash 
 (every .py here, and pykv/formats.py whose constants the kernels compile in). Numba keys a cached
 function on its own file only, so an edit to, or an upgrade of, a module it inlines (tiles.py, simd.py,
 blocks.py) would otherwise load stale machine code for matmul.py or attention.py without a word.
-Folder: $NUMBA_CACHE_DIR (if set) or $PYKV_CACHE or ~/.cache/pykv, then numba/<hash>."""
+Folder: $NUMBA_CACHE_DIR (if set) or $PYKV_CACHE or ~/.cache/pykv, then numba/<hash>.
+
+Processes share that folder (two `pykv run` at once, pytest-xdist workers, the compile helper of
+pykv.warm), so its index files are read and written under a file lock (_locked below): Numba's own
+save reads a function's index, picks a free data-file name, writes the index and then the data, with
+nothing to stop another process doing the same in between; two processes saving two signatures of
+one function could both pick `f-1.nbc`, leaving the index naming one signature and the file holding
+the other's machine code, which a later process would load and call."""
 import hashlib
 import os
 
+from numba.core import caching as _caching
 from numba.core import config as _nconfig
+
+try:
+    import fcntl as _fcntl
+except ImportError:         # not POSIX: Numba's unlocked behaviour
+    _fcntl = None
 
 
 def source_hash(here: str = "") -> str:
@@ -35,6 +48,34 @@ def _use_cache_dir() -> None:
     except OSError:            # not writable: Numba's own choice (__pycache__ or its user cache)
         return
     _nconfig.CACHE_DIR = path
+    _lock_cache_files(path)
+
+
+def _locked(method, kind: str, root: str):
+    """A Numba IndexDataCacheFile method (save / load) run holding flock(2) `kind` on the folder's
+    .pykv.lock, for folders under root (the OS releases the lock if the process dies)."""
+    def run(self, *args):
+        if _fcntl is None or not self._cache_path.startswith(root):
+            return method(self, *args)
+        try:
+            fd = os.open(os.path.join(self._cache_path, ".pykv.lock"), os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError:         # no lock file possible (a read-only folder): as Numba would
+            return method(self, *args)
+        try:
+            _fcntl.flock(fd, getattr(_fcntl, kind))
+            return method(self, *args)
+        finally:
+            os.close(fd)        # releases the lock
+    run.__name__, run.pykv_locked = method.__name__, True
+    return run
+
+
+def _lock_cache_files(root: str) -> None:
+    """Index + data saves exclusive, loads shared, in every cache folder under root (once per process)."""
+    f = _caching.IndexDataCacheFile
+    if not getattr(f.save, "pykv_locked", False):
+        f.save = _locked(f.save, "LOCK_EX", root)
+        f.load = _locked(f.load, "LOCK_SH", root)
 
 
 _use_cache_dir()

@@ -74,7 +74,13 @@ def compile_seconds() -> float:
         return _state["total"] + extra
 
 
-__all__ = ["install", "compile_seconds"]
+def add_seconds(seconds: float) -> None:
+    """Count `seconds` spent waiting for kernels compiled elsewhere (pykv.warm's helper) as compile time."""
+    with _lock:
+        _state["total"] += seconds
+
+
+__all__ = ["install", "compile_seconds", "add_seconds"]
 
 
 install()       # track compile time from the first import; the CLI adds the stderr note
