@@ -4,8 +4,8 @@ this one compiles the prompt's.
 Numba compiles one kernel at a time in a process (one lock), on one core.  A cold `pykv run` (no
 kernels cached for this CPU and these kernel sources: the first run, or after an upgrade) compiles the
 prompt's kernels (prefill matmuls, attention, KV appends) and then the decode step's (kernels.chain and
-the decode attention it calls), one after the other: 159 / 134 s wall on a 2-core Zen 3 without this
-helper, 87 / 82 s with it (2026-12-04, alternating).  start() runs
+the decode attention it calls), one after the other: 159 / 134 / 120 s wall on a 2-core Zen 3 without
+this helper, 78 / 79 / 84 s with it (2026-12-04).  start() runs
 `python -m pykv.warm SPEC` on the same model file and KV settings: it loads the model and samples two
 one-token steps, so it compiles the decode kernels into the shared cache (kernels/__init__ locks the
 cache's files) while the caller compiles the prompt's.  The caller's model waits for the helper before
@@ -116,6 +116,10 @@ def main(argv=None) -> int:
     """The helper: load the model as the caller did (a short context, one thread), then sample two
     one-token steps (greedy, then with a temperature: both samplers' kernels)."""
     spec = json.loads((argv or sys.argv[1:])[0])
+    try:
+        os.nice(10)     # a core the caller leaves idle (it compiles on one) is ours; its prompt's threads come first
+    except (AttributeError, OSError):
+        pass
     from .generate import make_sampler
     from .kv_plan import load_planned
     model = load_planned(spec["path"], n_ctx=256, threads=1, **spec["kw"])
