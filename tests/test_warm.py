@@ -87,3 +87,17 @@ def test_helper_gets_the_callers_kv_settings(tmp_path, monkeypatch):
     assert spec == {"path": m.path, "kw": {"kv_type_k": ["q8_0", "q4_0"], "kv_type_v": "q4_0", "kv_rotate": True,
                                           "kv_plan": None, "device": "cpu"}}
     assert seen["env"]["NUMBA_NUM_THREADS"] == "1" and seen["env"]["PYKV_COMPILE_HELPER"] == "0"
+
+
+def test_helper_wait_counts_as_compile_time_and_stop_kills():
+    """The model's wait for its helper is compile time (the printed speeds exclude it); stop() at exit
+    ends a helper that is still running."""
+    from pykv.kernels import jitnote
+    h = warm.Helper(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.5)"]))
+    c0 = jitnote.compile_seconds()
+    h.wait()
+    assert h.proc.returncode == 0
+    assert jitnote.compile_seconds() - c0 >= 0.45
+    h = warm.Helper(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]))
+    h.stop()
+    assert h.proc.returncode is not None and h.proc.returncode != 0
