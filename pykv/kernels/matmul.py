@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import numpy as np
 from numba import literally, njit, prange, types
+from numba.extending import overload
 import numba
 
 from gguf import GGMLQuantizationType as _GT
@@ -144,10 +145,17 @@ def _k_scale_min(w, o, s):
 
 @njit(cache=True, nogil=True)
 def _deq_row(kind, w, y):
-    n = y.shape[0]
     if kind < Q2_K or kind > Q6_K:        # the KV cache's formats: one decoder each
-        deq_rows(_KV_CODE[kind], w, 0, 0, 1, y.reshape(1, n))
-    elif kind == Q2_K:
+        deq_rows(_KV_CODE[kind], w, 0, 0, 1, y.reshape(1, y.shape[0]))
+    else:
+        _deq_row_k(kind, w, y)
+
+
+@njit(cache=True, nogil=True)
+def _deq_row_k(kind, w, y):
+    """A K-quant row (Q2_K ... Q6_K)."""
+    n = y.shape[0]
+    if kind == Q2_K:
         for b in range(n // 256):
             o = 84 * b
             d = rd_f16(w, o + 80)
@@ -200,14 +208,50 @@ def _deq_row(kind, w, y):
                         y[256 * b + e] = (d * sc) * np.float32((lo | (hi << 4)) - 32)
 
 
+def _deq_row_of(kind, w, y):
+    """_deq_row for a literal kind (get_rows): typed by the overload below."""
+    raise NotImplementedError
+
+
+_DEQ_ROW_KV = {}    # KV-format code -> njit (w, y) decoding one row with that code a compile-time constant
+
+
+def _deq_row_kv(code: int):
+    """A row decoder for one KV-format code: deq_rows with `code` a constant, so that Numba's branch pruning
+    (after deq_rows is inlined) keeps that format's decoder only.  One dispatcher per code: the overload
+    below is typed again inside the parfor, and a new function each time compiled twice."""
+    f = _DEQ_ROW_KV.get(code)
+    if f is None:
+        def row(w, y):
+            deq_rows(code, w, 0, 0, 1, y.reshape(1, y.shape[0]))
+        f = _DEQ_ROW_KV[code] = njit(nogil=True)(row)
+    return f
+
+
+@overload(_deq_row_of, prefer_literal=True)
+def _deq_row_of_typer(kind, w, y):
+    """KV-format kinds (Q8_0 ...) through _deq_row_kv: with the code read from _KV_CODE at run time,
+    get_rows for SmolLM2's Q8_0 embedding compiled every KV decoder (9.3 s, its first compile, Zen 3;
+    3.5 s now). The K-quants: _deq_row_k."""
+    if not isinstance(kind, types.IntegerLiteral):
+        return None
+    code = int(_KV_CODE[kind.literal_value])
+    if code < 0:
+        return lambda kind, w, y: _deq_row_k(kind, w, y)
+    row = _deq_row_kv(code)
+    return lambda kind, w, y: row(w, y)
+
+
 @njit(cache=True, nogil=True, parallel=True)
 def _get_rows_kernel(kind, raw, ids, out):
+    """out[i] = W[ids[i]] dequantized; kind (a ggml type) is a compile-time literal (_call_kind)."""
+    literally(kind)
     if ids.shape[0] >= PAR_T:
         for i in prange(ids.shape[0]):
-            _deq_row(kind, raw[ids[i]], out[i])
+            _deq_row_of(kind, raw[ids[i]], out[i])
     else:           # a decode step's row: not worth waking the threads
         for i in range(ids.shape[0]):
-            _deq_row(kind, raw[ids[i]], out[i])
+            _deq_row_of(kind, raw[ids[i]], out[i])
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -1309,4 +1353,4 @@ def get_rows(w: Weight, ids: np.ndarray, out: np.ndarray) -> None:
         raise ValueError(f"get_rows: ids out of range [0, {w.rows})")
     if ids.dtype != np.int64:
         ids = ids.astype(np.int64)
-    _get_rows_kernel(w.ggml_type, w.raw, ids, out)
+    _call_kind(_get_rows_kernel, int(w.ggml_type), w.raw, ids, out)
