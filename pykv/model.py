@@ -377,11 +377,14 @@ class Model:
         seq.n_tokens += T
         if not need_logits:
             return None
-        rows = st.x[:T] if all_logits else st.x[T - 1:T]
-        n = rows.shape[0]
-        ops.rmsnorm(rows, w.output_norm, self.config.norm_eps, st.h[:n])
+        return self._head(st.x[:T] if all_logits else st.x[T - 1:T])
+
+    def _head(self, rows):
+        """Logits (n, V) of residual rows (n, D) of the run state: the final norm, then the output product."""
+        st, n = self.state, rows.shape[0]
+        self.be.ops.rmsnorm(rows, self.weights.output_norm, self.config.norm_eps, st.h[:n])
         st.act_d.set(st.h[:n])
-        mm.matmul(w.output, st.act_d, st.logits[:n])
+        self.be.matmul.matmul(self.weights.output, st.act_d, st.logits[:n])
         return st.logits[:n]
 
     def eval(self, seq: Sequence, ids, all_logits: bool = False, progress=None) -> np.ndarray:

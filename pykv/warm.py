@@ -113,8 +113,9 @@ def start(model, load_kw: dict) -> Helper | None:
 
 
 def main(argv=None) -> int:
-    """The helper: load the model as the caller did (a short context, one thread), then sample two
-    one-token steps (greedy, then with a temperature: both samplers' kernels)."""
+    """The helper: load the model as the caller did (a short context, one thread); first the output
+    product of one row and both samplers (greedy, with a temperature), which the caller needs at the end
+    of its prompt, then two one-token steps."""
     spec = json.loads((argv or sys.argv[1:])[0])
     try:
         os.nice(10)     # a core the caller leaves idle (it compiles on one) is ours; its prompt's threads come first
@@ -125,8 +126,12 @@ def main(argv=None) -> int:
     model = load_planned(spec["path"], n_ctx=256, threads=1, **spec["kw"])
     seq = model.new_sequence()
     tok = model.tokenizer.bos_id if 0 <= model.tokenizer.bos_id < model.n_vocab else 0
-    for temp in (0.0, 0.8):
-        tok = model.next_token(seq, [tok], make_sampler(model, temperature=temp, seed=0), [tok])
+    samplers = [make_sampler(model, temperature=temp, seed=0) for temp in (0.0, 0.8)]
+    logits = model._head(model.state.x[:1])
+    for s in samplers:
+        model.be.sampler.pick(logits[0], s, [tok], s.draw())
+    for s in samplers:
+        tok = model.next_token(seq, [tok], s, [tok])
     return 0
 
 
