@@ -12,8 +12,8 @@ cache's files) while the caller compiles the prompt's.  The caller's model waits
 its own first one-token step (Model._batch) and then loads those kernels from the cache; the wait is
 counted with the compile time (kernels.jitnote), which the tokens/s figures exclude.
 
-Started by the CLI's run and chat commands only when it can pay: a CPU model, more than one CPU for
-this process, the decode chain's kernel not cached yet, no --kv-bits calibration (the helper would
+Started by the CLI's run and chat commands only when it can pay and the cache's files can be locked
+(POSIX flock): a CPU model, more than one CPU for this process, the decode chain's kernel not cached yet, no --kv-bits calibration (the helper would
 measure it again), a model file under a quarter of the available memory (the helper holds a second
 copy of the weights), and PYKV_COMPILE_HELPER not "0".  The helper's output goes nowhere; it is
 stopped when this process exits, and a helper that fails or is stopped costs only the parallelism.
@@ -26,6 +26,8 @@ import os
 import subprocess
 import sys
 import time
+
+from . import kernels
 
 WAIT_S = 600.0          # the longest a model waits for its helper (it then compiles what is missing itself)
 
@@ -83,7 +85,7 @@ def wanted(model, load_kw: dict) -> bool:
     """Whether a helper would pay for this model and these load keywords (see the module docstring)."""
     if os.environ.get("PYKV_COMPILE_HELPER", "1") == "0" or model.be.name != "cpu":
         return False
-    if load_kw.get("kv_bits") is not None or _cpus() < 2:
+    if load_kw.get("kv_bits") is not None or _cpus() < 2 or not kernels.cache_locked():
         return False
     try:
         size = os.path.getsize(model.path)

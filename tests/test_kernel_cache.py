@@ -73,6 +73,10 @@ print(racemod.f(3), racemod.f(3.0), len(racemod.f.stats.cache_hits))
 """
 
 
+def test_cache_locked_here():
+    assert K.cache_locked()       # POSIX: CI's hosts are; pykv.warm starts no helper otherwise
+
+
 def test_two_processes_saving_one_function_keep_the_cache_consistent(tmp_path):
     """Two processes save two signatures of one cached function at once (timed so that, without
     kernels/__init__'s lock, both pick the same data file); a third process must load each signature's

@@ -59,6 +59,10 @@ def test_wanted_only_where_it_pays(tmp_path, monkeypatch):
     monkeypatch.setattr(warm, "decode_cached", lambda: True)
     assert not warm.wanted(m, {})
     monkeypatch.setattr(warm, "decode_cached", lambda: False)
+    monkeypatch.setattr(warm.kernels, "cache_locked", lambda: False)   # no flock: processes could corrupt it
+    assert not warm.wanted(m, {})
+    monkeypatch.setattr(warm.kernels, "cache_locked", lambda: True)
+    assert warm.wanted(m, {})
     monkeypatch.setenv("PYKV_COMPILE_HELPER", "0")
     assert not warm.wanted(m, {})
 

@@ -70,6 +70,11 @@ def _locked(method, kind: str, root: str):
     return run
 
 
+def cache_locked() -> bool:
+    """Whether processes sharing pykv's kernel cache folder take turns on its index files (see above)."""
+    return _fcntl is not None and getattr(_caching.IndexDataCacheFile.save, "pykv_locked", False)
+
+
 def _lock_cache_files(root: str) -> None:
     """Index + data saves exclusive, loads shared, in every cache folder under root (once per process)."""
     f = _caching.IndexDataCacheFile
