@@ -127,6 +127,13 @@ def main(argv=None) -> int:
     from .kv_plan import load_planned
     model = load_planned(spec["path"], n_ctx=256, threads=1, **spec["kw"])
     seq = model.new_sequence()
+    # the caller's steps follow its prompt: they run the folded decode (KVCache.fold_args), which a
+    # sequence's first token and tokens in the f16 sink rows do not (they would compile the prompt's
+    # attend, append_rows and _item's prefill specialization here too, ~25 s, Zen 3); so start past them,
+    # on zero K/V rows (the pools start zeroed; identity key smoothing)
+    skip = max(1, model.cache.NS)
+    model.cache.reserve(seq, skip)
+    seq.n_tokens = skip
     tok = model.tokenizer.bos_id if 0 <= model.tokenizer.bos_id < model.n_vocab else 0
     samplers = [make_sampler(model, temperature=temp, seed=0) for temp in (0.0, 0.8)]
     logits = model._head(model.state.x[:1])
