@@ -5,7 +5,7 @@ Numba compiles one kernel at a time in a process (one lock), on one core.  A col
 kernels cached for this CPU and these kernel sources: the first run, or after an upgrade) compiles the
 prompt's kernels (prefill matmuls, attention, KV appends) and then the decode step's (kernels.chain and
 the decode attention it calls), one after the other: 159 / 134 / 120 s wall on a 2-core Zen 3 without
-this helper, 78 / 79 / 84 s with it (2026-12-04).  start() runs
+this helper, 78 / 79 / 84 s with its first version, 68 s with this one (2026-12-04/05).  start() runs
 `python -m pykv.warm SPEC` on the same model file and KV settings: it loads the model and samples two
 one-token steps, so it compiles the decode kernels into the shared cache (kernels/__init__ locks the
 cache's files) while the caller compiles the prompt's.  The caller's model waits for the helper before
@@ -13,8 +13,8 @@ its own first one-token step (Model._batch) and then loads those kernels from th
 counted with the compile time (kernels.jitnote), which the tokens/s figures exclude.
 
 Started by the CLI's run and chat commands only when it can pay and the cache's files can be locked
-(POSIX flock): a CPU model, more than one CPU for this process, the decode chain's kernel not cached yet, no --kv-bits calibration (the helper would
-measure it again), a model file under a quarter of the available memory (the helper holds a second
+(POSIX flock): a CPU model, more than one CPU for this process, the decode chain's kernel not cached
+yet, no --kv-bits calibration (the helper would measure it again), a model file under a quarter of the available memory (the helper holds a second
 copy of the weights), and PYKV_COMPILE_HELPER not "0".  The helper's output goes nowhere; it is
 stopped when this process exits, and a helper that fails or is stopped costs only the parallelism.
 """
