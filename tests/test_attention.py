@@ -470,3 +470,36 @@ def test_attend_loads_from_the_cache_in_a_new_process(tmp_path):
         outs.append(np.load(f))
     assert np.abs(outs[0]).max() > 0
     assert np.array_equal(outs[0], outs[1])
+
+
+def test_attend_from_one_process_and_item_from_another_do_not_crash(tmp_path):
+    """Numba's mangled names carry the compiling process's id, so a cache holding attend from one process
+    and _item from another (two processes compiled _item at once, and the other saved last) has attend
+    calling names no loaded _item defines: a new process segfaulted (exit 139).  attention._ItemsFirst
+    then compiles attend again against the loaded _item (and saves it); the next process loads that."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "cache")}
+
+    def run(i):
+        f = tmp_path / f"out{i}.npy"
+        r = subprocess.run([sys.executable, "-c", _CACHED_CALL, str(f)], env=env, capture_output=True, text=True,
+                           timeout=900)
+        assert r.returncode == 0, (i, r.returncode, r.stderr[-2000:])
+        return np.load(f)
+
+    want = run(0)                                       # attend and _item of process 0
+    folder = next((tmp_path / "cache").rglob("attention.attend-*.nbi")).parent
+    saved = tmp_path / "saved"
+    saved.mkdir()
+    for p in folder.glob("attention.attend-*"):
+        shutil.copy(p, saved / p.name)
+    for p in list(folder.glob("attention.attend-*")) + list(folder.glob("attention._item-*")):
+        p.unlink()
+    assert np.array_equal(run(1), want)                 # process 1 compiles both again
+    for p in saved.iterdir():                           # process 0's attend over process 1's
+        shutil.copy(p, folder / p.name)
+    assert np.array_equal(run(2), want)                 # segfaulted before the check
+    assert np.array_equal(run(3), want)

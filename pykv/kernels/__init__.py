@@ -12,6 +12,7 @@ save reads a function's index, picks a free data-file name, writes the index and
 nothing to stop another process doing the same in between; two processes saving two signatures of
 one function could both pick `f-1.nbc`, leaving the index naming one signature and the file holding
 the other's machine code, which a later process would load and call."""
+import contextlib
 import hashlib
 import os
 
@@ -51,21 +52,32 @@ def _use_cache_dir() -> None:
     _lock_cache_files(path)
 
 
-def _locked(method, kind: str, root: str):
-    """A Numba IndexDataCacheFile method (save / load) run holding flock(2) `kind` on the folder's
-    .pykv.lock, for folders under root (the OS releases the lock if the process dies)."""
-    def run(self, *args):
-        if _fcntl is None or not self._cache_path.startswith(root):
-            return method(self, *args)
+@contextlib.contextmanager
+def folder_lock(folder: str, kind: str = "LOCK_SH"):
+    """flock(2) `kind` on folder/.pykv.lock for the block (the OS releases it if the process dies); no
+    lock where none can be taken (not POSIX, a read-only folder): as Numba would."""
+    fd = None
+    if _fcntl is not None:
         try:
-            fd = os.open(os.path.join(self._cache_path, ".pykv.lock"), os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError:         # no lock file possible (a read-only folder): as Numba would
-            return method(self, *args)
-        try:
+            fd = os.open(os.path.join(folder, ".pykv.lock"), os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError:
+            fd = None
+    try:
+        if fd is not None:
             _fcntl.flock(fd, getattr(_fcntl, kind))
-            return method(self, *args)
-        finally:
+        yield
+    finally:
+        if fd is not None:
             os.close(fd)        # releases the lock
+
+
+def _locked(method, kind: str, root: str):
+    """A Numba IndexDataCacheFile method (save / load) run under folder_lock(kind), for folders under root."""
+    def run(self, *args):
+        if not self._cache_path.startswith(root):
+            return method(self, *args)
+        with folder_lock(self._cache_path, kind):
+            return method(self, *args)
     run.__name__, run.pykv_locked = method.__name__, True
     return run
 

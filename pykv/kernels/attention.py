@@ -44,12 +44,15 @@ the per-channel statistics of unroped keys are stable, those of roped keys are s
 deq_rows (blocks.py, inside _deq) and the kvdot intrinsics are inlined here: Numba's cache folder is named by
 a hash of every kernel source (kernels/__init__.py), so an edit there recompiles this module too.
 """
+import re
+
 import numpy as np
 from numba import errors, njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
 from ..formats import CODE_Q8_0
+from . import folder_lock
 from .blocks import deq_kivi_k_rows, deq_rows
 from .kvdot import UNIT, accum_q8_0_1, accum_q8_0_3, scores_q8_0_1, scores_q8_0_3
 from .ops import _fwht_vec, _rope_vec, exp_neg
@@ -620,10 +623,19 @@ def attend(q, kpool, vpool, kres, vres, ksink, vsink, page_table, n_past, ns_k, 
             _merge(part, C, G, th // H, th % H, out)
 
 
+_ITEM_SYMBOL = re.compile(rb"_ZN4pykv7kernels9attention5_item\w+")   # _item's mangled names
+
+
 class _ItemsFirst:
     """attend's cache, loading _item's cached specializations (for this CPU) before attend's own code:
     attend calls them by symbol (_call_item), and a symbol the JIT cannot resolve is a crash, not an
-    error (a fresh process that loads attend from the cache, without _item, segfaulted)."""
+    error (a fresh process that loads attend from the cache, without _item, segfaulted).
+    A symbol names the process that compiled it (Numba's mangled names carry a per-process id): when
+    two processes compile one _item specialization at once (the compile helper of pykv.warm, the test
+    suite's two workers), the cache can keep one's _item and the other's attend, which calls names
+    that no loaded _item defines (a segfault, reproduced in tests/test_attention.py).  So the cached
+    attend is used only when every _item name its code calls is loaded; else it is compiled again here,
+    against the loaded _item, and saved over the stale entry."""
 
     def __init__(self, cache):
         self.cache = cache
@@ -633,11 +645,27 @@ class _ItemsFirst:
 
     def load_overload(self, sig, target_context):
         cf = getattr(_item._cache, "_cache_file", None)     # None: Numba's cache is off
-        magic = target_context.codegen().magic_tuple()
-        for key in (cf._load_index() if cf is not None else ()):
+        own = getattr(self.cache, "_cache_file", None)
+        if cf is None or own is None:
+            return self.cache.load_overload(sig, target_context)
+        codegen = target_context.codegen()
+        magic = codegen.magic_tuple()
+        for key in cf._load_index():
             if key[1] == magic:
-                _item.compile(key[0])
-        return self.cache.load_overload(sig, target_context)
+                _item.compile(key[0])       # (may compile and save: not under the lock below)
+        with folder_lock(own._cache_path):       # no save of attend between the check and the load
+            name = own._load_index().get(self.cache._index_key(sig, codegen))
+            if name is None:
+                return None
+            try:
+                with open(own._data_path(name), "rb") as f:
+                    need = set(_ITEM_SYMBOL.findall(f.read()))
+            except OSError:
+                return None
+            have = {c.fndesc.mangled_name.encode() for c in _item.overloads.values()}
+            if not need <= have:
+                return None
+            return self.cache.load_overload(sig, target_context)
 
 
 attend._cache = _ItemsFirst(attend._cache)
