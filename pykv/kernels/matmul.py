@@ -232,7 +232,7 @@ def _deq_row_kv(code: int):
 def _deq_row_of_typer(kind, w, y):
     """KV-format kinds (Q8_0 ...) through _deq_row_kv: with the code read from _KV_CODE at run time,
     get_rows for SmolLM2's Q8_0 embedding compiled every KV decoder (9.3 s, its first compile, Zen 3;
-    3.5 s now). The K-quants: _deq_row_k."""
+    3.6 s now). The K-quants: _deq_row_k."""
     if not isinstance(kind, types.IntegerLiteral):
         return None
     code = int(_KV_CODE[kind.literal_value])
