@@ -502,4 +502,7 @@ def test_attend_from_one_process_and_item_from_another_do_not_crash(tmp_path):
     for p in saved.iterdir():                           # process 0's attend over process 1's
         shutil.copy(p, folder / p.name)
     assert np.array_equal(run(2), want)                 # segfaulted before the check
+    stamps = {p.name: p.stat().st_mtime_ns for p in folder.glob("attention.attend-*")}
     assert np.array_equal(run(3), want)
+    # process 3 loads the attend that process 2 saved: nothing compiled or saved again
+    assert {p.name: p.stat().st_mtime_ns for p in folder.glob("attention.attend-*")} == stamps

@@ -662,8 +662,10 @@ class _ItemsFirst:
                     need = set(_ITEM_SYMBOL.findall(f.read()))
             except OSError:
                 return None
-            have = {c.fndesc.mangled_name.encode() for c in _item.overloads.values()}
-            if not need <= have:
+            # a match can run on into the next string of the file (no separator there): a loaded name
+            # that begins it covers it
+            have = [c.fndesc.mangled_name.encode() for c in _item.overloads.values()]
+            if not all(any(n.startswith(h) for h in have) for n in need):
                 return None
             return self.cache.load_overload(sig, target_context)
 
