@@ -5,7 +5,9 @@ Numba compiles one kernel at a time in a process (one lock), on one core.  A col
 kernels cached for this CPU and these kernel sources: the first run, or after an upgrade) compiles the
 prompt's kernels (prefill matmuls, attention, KV appends) and then the decode step's (kernels.chain and
 the decode attention it calls), one after the other: 159 / 134 / 120 s wall on a 2-core Zen 3 without
-this helper, 78 / 79 / 84 s with its first version, 68 s with this one (2026-12-04/05).  start() runs
+this helper, 78 / 79 / 84 s with its first version, 68 s with the helper's steps past the sink rows
+(2026-12-04/05), 58 / 54 / 54 s since the processes claim their compiles (kernels/__init__) and the helper
+compiles the chains first (chains_first, 2026-12-05).  start() runs
 `python -m pykv.warm SPEC` on the same model file and KV settings: it loads the model and samples two
 one-token steps, so it compiles the decode kernels into the shared cache (kernels/__init__ locks the
 cache's files) while the caller compiles the prompt's.  The caller's model waits for the helper before
@@ -139,9 +141,24 @@ def main(argv=None) -> int:
     logits = model._head(model.state.x[:1])
     for s in samplers:
         model.be.sampler.pick(logits[0], s, [tok], s.draw())
+    chains_first(model)
     for s in samplers:
         tok = model.next_token(seq, [tok], s, [tok])
     return 0
+
+
+def chains_first(model) -> None:
+    """Compile (or load) each of the model's decode chains (kernels.chain: one per mix of weight types)
+    before their attention: bound to chain._attn_none, run once in idle mode.  The steps after bind the
+    real attention and load the chains from the cache."""
+    from .kernels import chain
+    if model.be.name != "cpu":
+        return
+    with chain.attention_stand_in():
+        chains = model._decode_chains()
+        for c in {c.lits: c for c in chains or ()}.values():
+            c()
+    model._chains = None
 
 
 if __name__ == "__main__":

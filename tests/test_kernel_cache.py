@@ -97,3 +97,54 @@ def test_two_processes_saving_one_function_keep_the_cache_consistent(tmp_path):
                        timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.split() == ["4", "4.0", "2"], r.stdout
+
+
+# Two processes need one signature at once: "first" starts compiling it (a numba:compile listener drops
+# a marker) and holds the compiled code 2 s before saving it; "second" asks for it once the marker is
+# there.  Prints the signature's cache hits and misses in this process.
+_CLAIMER = r"""
+import os, sys, time
+folder, role = sys.argv[1:3]
+sys.path.insert(0, folder)
+import pykv.kernels                       # the cache folder, its lock and the compile claims
+from numba.core import caching, event
+marker = os.path.join(folder, "marker")
+if role == "first":
+    class Mark(event.Listener):
+        def on_start(self, e):
+            open(marker, "w").close()
+        def on_end(self, e):
+            pass
+    event.register("numba:compile", Mark())
+    save = caching.Cache.save_overload
+    def slow_save(self, sig, data):
+        time.sleep(2.0)
+        return save(self, sig, data)
+    caching.Cache.save_overload = slow_save
+else:
+    while not os.path.exists(marker):
+        time.sleep(0.01)
+import racemod
+print(racemod.f(3), sum(racemod.f.stats.cache_hits.values()), sum(racemod.f.stats.cache_misses.values()))
+"""
+
+
+def test_a_kernel_two_processes_need_at_once_is_compiled_once(tmp_path):
+    """While one process compiles a cached kernel's signature, another that needs it waits for the saved
+    code and loads it (kernels/__init__'s claims): the second process has a cache hit and no miss.
+    Without the claim it compiles the same signature too (a miss)."""
+    import os
+    import subprocess
+    import sys
+    (tmp_path / "racemod.py").write_text("from numba import njit\n\n@njit(cache=True)\ndef f(x):\n    return x + 1\n")
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "cache")}
+    procs = [subprocess.Popen([sys.executable, "-c", _CLAIMER, str(tmp_path), role], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for role in ("first", "second")]
+    outs = []
+    for p in procs:
+        out, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err[-2000:]
+        outs.append(out.split())
+    assert outs[0] == ["4", "0", "1"], outs       # first: compiled it
+    assert outs[1] == ["4", "1", "0"], outs       # second: waited, then loaded first's code

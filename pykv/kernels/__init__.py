@@ -11,13 +11,24 @@ pykv.warm), so its index files are read and written under a file lock (_locked b
 save reads a function's index, picks a free data-file name, writes the index and then the data, with
 nothing to stop another process doing the same in between; two processes saving two signatures of
 one function could both pick `f-1.nbc`, leaving the index naming one signature and the file holding
-the other's machine code, which a later process would load and call."""
+the other's machine code, which a later process would load and call.
+
+They also take turns on compiling (_claiming below): a process about to compile or load a signature of
+a cached kernel first claims it (a POSIX record lock on one byte of the folder's .pykv.claims, at a
+hash of the function and signature), so a process that needs a kernel another is compiling waits for it
+and loads the saved code instead of compiling the same thing at once (the compile helper and its caller
+both compiled the KV row quantizer, the attention's row decoder and its decode work item, ~25 s of a
+cold `pykv run`'s ~115 s of compiling, Zen 3)."""
 import contextlib
+import errno
 import hashlib
 import os
+import time
 
 from numba.core import caching as _caching
 from numba.core import config as _nconfig
+from numba.core import dispatcher as _dispatcher
+from numba.core import sigutils as _sigutils
 
 try:
     import fcntl as _fcntl
@@ -87,12 +98,64 @@ def cache_locked() -> bool:
     return _fcntl is not None and getattr(_caching.IndexDataCacheFile.save, "pykv_locked", False)
 
 
+CLAIM_WAIT_S = 600.0    # the longest a compile waits for another process's claim (then it compiles anyway)
+
+
+@contextlib.contextmanager
+def _claim(fd: int, off: int):
+    """Byte off of the claims file fd locked (F_SETLK, polled: a holder that stops does not stop us past
+    CLAIM_WAIT_S) for the block; no lock where none can be taken."""
+    got = False
+    end = time.monotonic() + CLAIM_WAIT_S
+    while True:
+        try:
+            _fcntl.lockf(fd, _fcntl.LOCK_EX | _fcntl.LOCK_NB, 1, off)
+            got = True
+            break
+        except OSError as e:
+            if e.errno not in (errno.EACCES, errno.EAGAIN) or time.monotonic() > end:
+                break
+        time.sleep(0.01)
+    try:
+        yield
+    finally:
+        if got:
+            _fcntl.lockf(fd, _fcntl.LOCK_UN, 1, off)
+
+
+def _claiming(method, root: str, fd: int):
+    """Dispatcher.compile (compile or load one signature) under that signature's claim, for cached
+    kernels under root.  Held during the nested compiles of its callees too: a non-recursive call graph
+    cannot make two processes wait on each other (each waits only for a callee of what it holds)."""
+    def compile(self, sig):
+        cf = getattr(self._cache, "_cache_file", None)
+        if cf is None or not getattr(cf, "_cache_path", "").startswith(root):
+            return method(self, sig)
+        args, _ = _sigutils.normalize_signature(sig)
+        if tuple(args) in self.overloads:
+            return method(self, sig)
+        key = f"{cf._index_name}\0{tuple(args)!r}\0{self.targetctx.codegen().magic_tuple()!r}"
+        off = int.from_bytes(hashlib.sha256(key.encode()).digest()[:5], "little")
+        with _claim(fd, off):
+            return method(self, sig)
+    compile.__name__, compile.pykv_claiming = method.__name__, True
+    return compile
+
+
 def _lock_cache_files(root: str) -> None:
-    """Index + data saves exclusive, loads shared, in every cache folder under root (once per process)."""
+    """Index + data saves exclusive, loads shared, in every cache folder under root; compiles claimed
+    (once per process)."""
     f = _caching.IndexDataCacheFile
     if not getattr(f.save, "pykv_locked", False):
         f.save = _locked(f.save, "LOCK_EX", root)
         f.load = _locked(f.load, "LOCK_SH", root)
+    d = _dispatcher.Dispatcher
+    if _fcntl is not None and not getattr(d.compile, "pykv_claiming", False):
+        try:    # kept open for the process's life: closing any fd of the file drops its record locks
+            fd = os.open(os.path.join(root, ".pykv.claims"), os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError:
+            return
+        d.compile = _claiming(d.compile, root, fd)
 
 
 _use_cache_dir()

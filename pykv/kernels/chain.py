@@ -32,6 +32,8 @@ same bits, and a decode step has no Python between two chains.
 Weight codes (compile-time literals): matmul's _KIND_ITILE_* kind (q8_0 activations), or KOFF + the
 ggml type of a K-quant tile (q8_K activations).
 """
+import contextlib
+
 import numpy as np
 import numba
 from numba import literally, njit, prange, types
@@ -340,7 +342,28 @@ def _make_fn(f):
     return AttnFn(f)
 
 
+@njit(cache=True, nogil=True)
+def _attn_none(s, j0, j1, rotate, n_past, chunk, ns_k, ns_v, li, smooth, K, pt, ksink, vsink, shift, scale):
+    """_attn's stand-in (attention_stand_in): its signature, no attention."""
+    return
+
+
 _FN_MAKERS = {}
+_ATTN = [_attn]     # what attn_fn points chains at: _attn, or _attn_none inside attention_stand_in
+
+
+@contextlib.contextmanager
+def attention_stand_in():
+    """Chains bound inside point at _attn_none: a compile helper (pykv.warm) compiles a model's chains
+    with it first, in idle mode (no attention run), and _attn after them.  The chains' compiled code is
+    the same (the pointer's type, not its target, is in their signature), so the caller loads them, and
+    _attn's callees that the caller compiles for its prompt meanwhile (kvquant.quantize_row,
+    attention._deq) are in the cache by the time the helper gets to them."""
+    _ATTN[0] = _attn_none
+    try:
+        yield
+    finally:
+        _ATTN[0] = _attn
 
 
 def attn_fn(example):
@@ -349,7 +372,7 @@ def attn_fn(example):
     mk = _FN_MAKERS.get(sig)
     if mk is None:      # a constructor taking _attn as that FunctionType (the dispatcher converts once)
         mk = _FN_MAKERS[sig] = njit((types.FunctionType(sig),), cache=True)(_make_fn)
-    return mk(_attn)
+    return mk(_ATTN[0])
 
 
 def code(w) -> int | None:
