@@ -124,15 +124,21 @@ if role == "first":
 else:
     while not os.path.exists(marker):
         time.sleep(0.01)
+import io
+from pykv.kernels import jitnote
+note = io.StringIO()
+jitnote.install(note)
 import racemod
-print(racemod.f(3), sum(racemod.f.stats.cache_hits.values()), sum(racemod.f.stats.cache_misses.values()))
+print(racemod.f(3), sum(racemod.f.stats.cache_hits.values()), sum(racemod.f.stats.cache_misses.values()),
+      round(jitnote.compile_seconds(), 1), "compiling kernels" in note.getvalue())
 """
 
 
 def test_a_kernel_two_processes_need_at_once_is_compiled_once(tmp_path):
     """While one process compiles a cached kernel's signature, another that needs it waits for the saved
     code and loads it (kernels/__init__'s claims): the second process has a cache hit and no miss.
-    Without the claim it compiles the same signature too (a miss)."""
+    Without the claim it compiles the same signature too (a miss).  The wait counts as compile time
+    (kernels.jitnote: excluded from tokens/s; its one-line note)."""
     import os
     import subprocess
     import sys
@@ -146,5 +152,7 @@ def test_a_kernel_two_processes_need_at_once_is_compiled_once(tmp_path):
         out, err = p.communicate(timeout=300)
         assert p.returncode == 0, err[-2000:]
         outs.append(out.split())
-    assert outs[0] == ["4", "0", "1"], outs       # first: compiled it
-    assert outs[1] == ["4", "1", "0"], outs       # second: waited, then loaded first's code
+    assert outs[0][:3] == ["4", "0", "1"], outs       # first: compiled it
+    assert outs[1][:3] == ["4", "1", "0"], outs       # second: waited, then loaded first's code
+    # the second's wait (first holds its code 2 s before saving) is compile time, with the note on stderr
+    assert float(outs[1][3]) >= 1.0 and outs[1][4] == "True", outs

@@ -104,18 +104,26 @@ CLAIM_WAIT_S = 600.0    # the longest a compile waits for another process's clai
 @contextlib.contextmanager
 def _claim(fd: int, off: int):
     """Byte off of the claims file fd locked (F_SETLK, polled: a holder that stops does not stop us past
-    CLAIM_WAIT_S) for the block; no lock where none can be taken."""
+    CLAIM_WAIT_S) for the block; no lock where none can be taken.  A wait is compile time for
+    kernels.jitnote (its note on stderr, and the tokens/s figures that exclude it)."""
+    from . import jitnote
     got = False
-    end = time.monotonic() + CLAIM_WAIT_S
+    t0 = time.perf_counter()
+    tries = 0
     while True:
         try:
             _fcntl.lockf(fd, _fcntl.LOCK_EX | _fcntl.LOCK_NB, 1, off)
             got = True
             break
         except OSError as e:
-            if e.errno not in (errno.EACCES, errno.EAGAIN) or time.monotonic() > end:
+            if e.errno not in (errno.EACCES, errno.EAGAIN) or time.perf_counter() > t0 + CLAIM_WAIT_S:
                 break
+        if tries == 0:
+            jitnote.waiting()
+        tries += 1
         time.sleep(0.01)
+    if tries:
+        jitnote.waited(time.perf_counter() - t0)
     try:
         yield
     finally:

@@ -17,16 +17,21 @@ _lock = threading.Lock()
 _state = {"depth": 0, "t0": 0.0, "total": 0.0, "said": False, "installed": False, "stream": None}
 
 
+def _say() -> None:
+    """The one line on the stream, the first time (call with _lock held)."""
+    if not _state["said"] and _state["stream"] is not None:
+        _state["said"] = True
+        from .tiles import ISA
+        print(f"pykv: compiling kernels for this CPU ({ISA}); once, cached for later runs "
+              "(up to a few minutes)...", file=_state["stream"], flush=True)
+
+
 class _Note(_ev.Listener):
     def on_start(self, event):
         with _lock:
             if _state["depth"] == 0:
                 _state["t0"] = time.perf_counter()
-                if not _state["said"] and _state["stream"] is not None:
-                    _state["said"] = True
-                    from .tiles import ISA
-                    print(f"pykv: compiling kernels for this CPU ({ISA}); once, cached for later runs "
-                          "(up to a few minutes)...", file=_state["stream"], flush=True)
+                _say()
             _state["depth"] += 1
 
     def on_end(self, event):
@@ -80,7 +85,22 @@ def add_seconds(seconds: float) -> None:
         _state["total"] += seconds
 
 
-__all__ = ["install", "compile_seconds", "add_seconds"]
+def waiting() -> None:
+    """A kernel this process needs is being compiled by another process (kernels/__init__'s claims):
+    the note, as for a compile of our own."""
+    with _lock:
+        _say()
+
+
+def waited(seconds: float) -> None:
+    """`seconds` spent waiting for another process's compile: compile time, unless it was inside a
+    compile of this process's (already counted there)."""
+    with _lock:
+        if _state["depth"] == 0:
+            _state["total"] += seconds
+
+
+__all__ = ["install", "compile_seconds", "add_seconds", "waiting", "waited"]
 
 
 install()       # track compile time from the first import; the CLI adds the stderr note
