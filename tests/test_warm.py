@@ -33,6 +33,15 @@ def test_cold_run_loads_the_decode_kernels_the_helper_compiled(tmp_path):
     rc, hits, misses, _ = line[0].split()[1:]
     assert (rc, misses) == ("0", "0")
     assert int(hits) >= 1
+    # the same tokens as a warm run without a helper (which binds the real attention itself): the
+    # helper compiled the chains bound to a stand-in attention (warm.chains_first), and none of that
+    # may reach the caller's chains
+    env["PYKV_COMPILE_HELPER"] = "0"
+    r2 = subprocess.run([sys.executable, "-c", _RUN, str(model)], env=env, capture_output=True, text=True,
+                        timeout=900)
+    assert r2.returncode == 0, r2.stderr[-3000:]
+    text = [x for x in r.stdout.splitlines() if not x.startswith("RESULT")]
+    assert text and text == [x for x in r2.stdout.splitlines() if not x.startswith("RESULT")]
 
 
 def _fake_model(tmp_path, name="cpu"):
