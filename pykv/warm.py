@@ -16,8 +16,8 @@ counted with the compile time (kernels.jitnote), which the tokens/s figures excl
 
 Started by the CLI's run and chat commands only when it can pay and the cache's files can be locked
 (POSIX flock): a CPU model, more than one CPU for this process, the decode chain's kernel not cached
-yet, no --kv-bits calibration (the helper would measure it again), a model file under a quarter of the available memory (the helper holds a second
-copy of the weights), and PYKV_COMPILE_HELPER not "0".  The helper's output goes nowhere; it is
+yet, no --kv-bits calibration (the helper would measure it again), a model file under a quarter of the
+available memory (the helper holds a second copy of the weights), and PYKV_COMPILE_HELPER not "0".  The helper's output goes nowhere; it is
 stopped when this process exits, and a helper that fails or is stopped costs only the parallelism.
 """
 from __future__ import annotations
@@ -152,8 +152,6 @@ def chains_first(model) -> None:
     before their attention: bound to chain._attn_none, run once in idle mode.  The steps after bind the
     real attention and load the chains from the cache."""
     from .kernels import chain
-    if model.be.name != "cpu":
-        return
     with chain.attention_stand_in():
         chains = model._decode_chains()
         for c in {c.lits: c for c in chains or ()}.values():

@@ -17,8 +17,8 @@ They also take turns on compiling (_claiming below): a process about to compile 
 a cached kernel first claims it (a POSIX record lock on one byte of the folder's .pykv.claims, at a
 hash of the function and signature), so a process that needs a kernel another is compiling waits for it
 and loads the saved code instead of compiling the same thing at once (the compile helper and its caller
-both compiled the KV row quantizer, the attention's row decoder and its decode work item, ~25 s of a
-cold `pykv run`'s ~115 s of compiling, Zen 3)."""
+both compiled the KV row quantizer and the attention's row decoder, and in one run its decode work
+item: 11-16 s of a cold `pykv run`'s ~110 s of compiling in two processes, Zen 3, class avx2)."""
 import contextlib
 import errno
 import hashlib
@@ -140,10 +140,10 @@ def _claiming(method, root: str, fd: int):
         cf = getattr(getattr(self, "_cache", None), "_cache_file", None)
         if cf is None or not getattr(cf, "_cache_path", "").startswith(root):
             return method(self, sig)
-        args, _ = _sigutils.normalize_signature(sig)
-        if tuple(args) in self.overloads:
+        args = tuple(_sigutils.normalize_signature(sig)[0])
+        if args in self.overloads:
             return method(self, sig)
-        key = f"{cf._index_name}\0{tuple(args)!r}\0{self.targetctx.codegen().magic_tuple()!r}"
+        key = f"{cf._index_name}\0{args!r}\0{self.targetctx.codegen().magic_tuple()!r}"
         off = int.from_bytes(hashlib.sha256(key.encode()).digest()[:5], "little")
         with _claim(fd, off):
             return method(self, sig)
