@@ -126,7 +126,9 @@ def _plan(n_prompt, n_gen, depth, ctk, ctv, threads, reps) -> _Plan:
     if threads is None or threads == "" or threads == []:
         ts = [os.cpu_count() or 1]
     else:
-        ts = _int_list(threads, "-t/--threads", minimum=1)
+        def thread_count(part):     # "auto": pykv's own choice per call (the cores other work leaves free)
+            return None if part == "auto" else _int_list(part, "-t/--threads", minimum=1)[0]
+        ts = _csv_list(threads, "-t/--threads", thread_count)
     try:
         reps = int(reps)
     except (TypeError, ValueError):
@@ -161,10 +163,10 @@ class _PykvEngine:
         self.m.eval(self.seq, ids)
 
     def info(self) -> dict:
-        import numba
         from .kernels.tiles import ISA
+        from .threads import resolve
         return {"kv_rotate": bool(self.m.rotate), "kv_bytes_per_token": float(self.m.kv_bytes_per_token()),
-                "threads_used": int(numba.get_num_threads()), "isa": ISA}
+                "threads_used": resolve(self.m.threads), "isa": ISA}
 
     def close(self) -> None:
         self.m.new_sequence()
@@ -464,9 +466,10 @@ def run_bench(model=None, *, n_prompt="512", n_gen="128", depth="0", ctk="f16", 
                     del eng
                 if compare_llamacpp:
                     if llama_bench is not None:
-                        got, llama_err = _llama_bench_cells(llama_bench, path, plan, ctk_, ctv_, t, flash_attn, log)
+                        got, llama_err = _llama_bench_cells(llama_bench, path, plan, ctk_, ctv_, t or os.cpu_count(),
+                                                            flash_attn, log)
                     else:
-                        got, llama_err = _llama_cells(path, plan, ctk_, ctv_, t, flash_attn,
+                        got, llama_err = _llama_cells(path, plan, ctk_, ctv_, t or os.cpu_count(), flash_attn,
                                                       np.random.default_rng(seed + rd), log)
                     if llama_err:
                         log(f"llama.cpp {ctk_}/{ctv_}: {llama_err}")
@@ -478,7 +481,8 @@ def run_bench(model=None, *, n_prompt="512", n_gen="128", depth="0", ctk="f16", 
                         pp_m, pp_sd = _stats(pp)
                         tg_m, tg_sd = _stats(tg)
                         row = {"model": os.path.basename(str(path)), "model_path": str(path),
-                               "depth": d, "n_prompt": p, "n_gen": n, "ctk": ctk_, "ctv": ctv_, "threads": t,
+                               "depth": d, "n_prompt": p, "n_gen": n, "ctk": ctk_, "ctv": ctv_,
+                               "threads": "auto" if t is None else t,
                                "reps": plan.reps, "rounds": rounds, **info,
                                "pp_tps": pp_m, "pp_tps_sd": pp_sd, "pp_samples": pp,
                                "tg_tps": tg_m, "tg_tps_sd": tg_sd, "tg_samples": tg}
@@ -610,7 +614,7 @@ def register_cli(subparsers) -> None:
     p.add_argument("-ctv", "--cache-type-v", default=None,
                    help="V cache types, comma list (default: paired with -ctk, i.e. the same type as K; "
                         "given: every K x V combination)")
-    p.add_argument("-t", "--threads", default=None, help="threads, comma list (default: all cores)")
+    p.add_argument("-t", "--threads", default=None, help="threads, comma list (default: all cores; auto: pykv's default, the cores other work leaves free)")
     p.add_argument("-r", "--repetitions", type=int, default=3, help="repetitions per test (default 3; median)")
     p.add_argument("--kv-rotate", choices=["on", "off", "auto"], default="auto",
                    help="pykv Hadamard rotation of K/V (auto: on for 4-bit and lower types)")

@@ -34,7 +34,7 @@ def _model_args(p: argparse.ArgumentParser, with_prompt: bool = False) -> None:
     p.add_argument("--kv-calib", default=None, help="calibration text for --kv-bits (default: built-in)")
     p.add_argument("--kv-plan", default=None, help="per-layer K/V types from a plan JSON (--kv-plan-out)")
     p.add_argument("--kv-plan-out", default=None, help="save the chosen per-layer plan as JSON")
-    p.add_argument("-t", "--threads", type=int, default=None, help="threads (default: all cores)")
+    p.add_argument("-t", "--threads", type=int, default=None, help="threads (default: the cores that other work leaves free, read at each call)")
     device_arg(p)
 
 

@@ -105,9 +105,11 @@ def calib_stats(model, use_cache: bool = True, quiet: bool = False) -> dict:
     if use_cache and os.path.exists(path):
         try:
             with np.load(path) as z:
-                return {k: z[k] for k in ("mu", "sk", "sq")}
+                st = {k: z[k] for k in ("mu", "sk", "sq")}
+            if all(np.isfinite(v).all() for v in st.values()):
+                return st
         except (OSError, ValueError, KeyError):
-            pass                              # unreadable: measure again and overwrite
+            pass                              # unreadable (or not finite): measure again and overwrite
     if not quiet and sys.stderr.isatty():
         print("pykv: calibrating the klt key transform (once per model)", file=sys.stderr, flush=True)
     cfg = model.config
@@ -123,7 +125,7 @@ def calib_stats(model, use_cache: bool = True, quiet: bool = False) -> dict:
     finally:
         model.cache.capture = None
     st = cap.stats()
-    if use_cache:
+    if use_cache and all(np.isfinite(v).all() for v in st.values()):     # a failed run is not kept
         os.makedirs(os.path.dirname(path), exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp.npz")
         os.close(fd)

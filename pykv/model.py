@@ -5,7 +5,6 @@ import os
 import warnings
 from dataclasses import dataclass
 
-import numba
 import numpy as np
 from gguf import GGMLQuantizationType as GT
 
@@ -14,7 +13,8 @@ from .gguf_io import WEIGHT_TYPES, GGUFFile, open_model
 from .kernels import matmul as mm
 from .kernels.backend import Backend, get_backend
 from .kernels.ops import rope_tables
-from .kv_cache import N_SINK, KVCache, Sequence, _fmt_list
+from .kv_cache import MAX_CHUNKS, N_SINK, KVCache, Sequence, _fmt_list
+from .threads import Threads, free_cores
 from .tokenizer import Tokenizer
 
 NORM_TYPES = {GT.F32}
@@ -173,10 +173,11 @@ class Model:
                 path = resolve_model(None if path is None else os.fspath(path))
             except ModelFetchError as e:
                 raise PykvError(str(e)) from None
-        if threads is not None:
-            if threads < 1:
-                raise PykvError(f"threads must be >= 1, got {threads}")
-            numba.set_num_threads(min(int(threads), numba.config.NUMBA_NUM_THREADS))
+        if threads is not None and threads < 1:
+            raise PykvError(f"threads must be >= 1, got {threads}")
+        # set around each call (pykv.threads.Threads): Numba keeps the count per calling thread
+        self.threads = None if threads is None else int(threads)
+        free_cores()        # starts the reading of other work's load (threads=None)
         self.path = os.fspath(path)
         self.gguf, self.config = open_model(self.path)
         cfg = self.config
@@ -195,7 +196,7 @@ class Model:
         self.n_batch = int(n_batch)
         self._bound = {}     # layer -> its decode products bound to the run state (_bound_calls)
         self.compile_helper = None   # pykv.warm.Helper compiling the decode kernels elsewhere (a cold cache)
-        self.max_chunks = 8 * self.be.max_workers + 2
+        self.max_chunks = max(MAX_CHUNKS, 8 * (self.be.workers() or 0)) + 2
         self.state = RunState(cfg, self.n_batch, self.max_chunks, self.be)
         cos, sin = rope_tables(self.n_ctx, cfg.rope_dims, cfg.rope_base, cfg.rope_freq_scale,
                                          self.weights.rope_freqs, cfg.yarn_ext_factor, cfg.yarn_attn_mul,
@@ -398,8 +399,9 @@ class Model:
     def next_token(self, seq: Sequence, ids, sampler, history) -> int:
         """Feed ids, then one token sampled from the last logits where they are (on a GPU only the id
         comes down): the backend's sampler.pick with the uniform draw of `sampler` (pykv.sampler.Sampler)."""
-        row = self._feed(seq, ids, None, None)
-        return int(self.be.sampler.pick(row, sampler, history, sampler.draw()))
+        with Threads(self.threads):
+            row = self._feed(seq, ids, None, None)
+            return int(self.be.sampler.pick(row, sampler, history, sampler.draw()))
 
     def _feed(self, seq: Sequence, ids, out, progress):
         """Run ids in batches; out (len(ids), V) host array: every token's logits copied there; None:
@@ -412,7 +414,8 @@ class Model:
         if seq.n_tokens + len(ids) > self.n_ctx:
             raise PykvError(f"{seq.n_tokens + len(ids)} tokens exceed the context size {self.n_ctx} (use -c)")
         try:
-            return self._eval_batches(seq, ids, out, progress)
+            with Threads(self.threads):
+                return self._eval_batches(seq, ids, out, progress)
         except ZeroDivisionError:     # a Numba kernel divided by a sum of NaN/inf activations
             raise PykvError(f"{self.path}: the forward pass overflowed to inf/NaN (weights too large "
                             "for float32 activations)") from None

@@ -1,5 +1,6 @@
 """Numba's on-disk cache is keyed by every kernel source (pykv/kernels/__init__.py): an edit to a
 module that other kernels inline (tiles.py) must move the cache, or stale machine code loads."""
+import pickle
 import shutil
 from pathlib import Path
 
@@ -156,3 +157,61 @@ def test_a_kernel_two_processes_need_at_once_is_compiled_once(tmp_path):
     assert outs[1][:3] == ["4", "1", "0"], outs       # second: waited, then loaded first's code
     # the second's wait (first holds its code 2 s before saving) is compile time, with the note on stderr
     assert float(outs[1][3]) >= 1.0 and outs[1][4] == "True", outs
+
+
+def _weak_functions(obj: bytes) -> list[str]:
+    """Names of the weak function symbols an ELF64 (little-endian) object file defines."""
+    import struct
+    shoff, = struct.unpack_from("<Q", obj, 0x28)
+    shentsize, shnum = struct.unpack_from("<HH", obj, 0x3A)
+    secs = [struct.unpack_from("<IIQQQQIIQQ", obj, shoff + i * shentsize) for i in range(shnum)]
+    out = []
+    for name, typ, _, _, off, size, link, _, _, entsize in secs:
+        if typ != 2:                  # SHT_SYMTAB
+            continue
+        stroff = secs[link][4]
+        for k in range(size // entsize):
+            st_name, info, _, shndx, _, _ = struct.unpack_from("<IBBHQQ", obj, off + k * entsize)
+            if info >> 4 == 2 and info & 0xF == 2 and shndx != 0:      # STB_WEAK, STT_FUNC, defined
+                end = obj.index(b"\0", stroff + st_name)
+                out.append(obj[stroff + st_name:end].decode())
+    return out
+
+
+def test_kernels_define_no_weak_functions(tmp_path):
+    """Numba links a copy of each callee into every caller as a weak (linkonce_odr) symbol, and the JIT
+    binds every caller to the first copy of a name it loaded, each copy optimized with its own caller:
+    a kernel's bits then depended on what the process ran before it (tests/test_shared_process.py).
+    pykv.kernels makes the copies internal; a kernel with callees (the KV row quantizer) defines none."""
+    import platform
+    import sys
+    import numpy as np
+    from pykv.kernels import kvquant
+    from pykv.formats import KV_FORMATS
+    if sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64"):
+        import pytest
+        pytest.skip("ELF x86-64 object code only")
+    from pykv.formats import row_bytes
+    x = np.random.default_rng(0).standard_normal((2, 64)).astype(np.float32)
+    dst = np.zeros((2, row_bytes("q4_0", 64)), np.uint8)
+    kvquant.quantize_rows(KV_FORMATS["q4_0"].code, x, dst)
+    disp = kvquant.quantize_rows
+    for c in disp.overloads.values():       # compiled here: its optimized module
+        assert [f.name for f in c.library._final_module.functions if not f.is_declaration
+                and f.linkage.name in ("linkonce_odr", "linkonce", "weak", "weak_odr")] == []
+    cf = disp._cache._cache_file            # and its machine code in the cache (saved here, or loaded)
+    stem = cf._index_name[:-len(".nbi")]
+    objs = [o for p in Path(cf._cache_path).glob(stem + ".*.nbc") for o in _elf_blobs(pickle.loads(p.read_bytes()))]
+    assert objs
+    assert [_weak_functions(o) for o in objs] == [[] for _ in objs]
+
+
+def _elf_blobs(o):
+    if isinstance(o, (bytes, bytearray)) and o[:4] == b"\x7fELF":
+        yield bytes(o)
+    elif isinstance(o, (tuple, list)):
+        for x in o:
+            yield from _elf_blobs(x)
+    elif isinstance(o, dict):
+        for x in o.values():
+            yield from _elf_blobs(x)

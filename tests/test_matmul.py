@@ -404,9 +404,10 @@ def test_bound_calls_equal_matmul():
     bound T, and exact mode, go back through matmul."""
     rng = np.random.default_rng(41)
     cols = 512
-    specs = [(GT.Q4_0, 64), (GT.Q8_0, 96), (GT.Q6_K, 64), (GT.F16, 40)]
+    R = M.TILE_ROWS          # the fused set needs whole row tiles (64 rows on avx512vnni, 32 below)
+    specs = [(GT.Q4_0, 2 * R), (GT.Q8_0, 3 * R), (GT.Q6_K, 64), (GT.F16, 40)]
     ws = [M.prepare_weight(int(t), make_weight(t, rows, cols, rng)[0], rows, cols) for t, rows in specs]
-    fused = M.fuse([ws[0], ws[1], M.prepare_weight(int(GT.Q5_1), make_weight(GT.Q5_1, 64, cols, rng)[0], 64, cols)])
+    fused = M.fuse([ws[0], ws[1], M.prepare_weight(int(GT.Q5_1), make_weight(GT.Q5_1, R, cols, rng)[0], R, cols)])
     assert fused.ok == 1
     act, ref_act = M.Act(cols, 4), M.Act(cols, 4)
     bound = [(w, np.zeros((1, w.rows), np.float32)) for w in ws]

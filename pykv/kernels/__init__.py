@@ -25,7 +25,9 @@ import hashlib
 import os
 import time
 
+from llvmlite import binding as _ll
 from numba.core import caching as _caching
+from numba.core import codegen as _codegen
 from numba.core import config as _nconfig
 from numba.core import dispatcher as _dispatcher
 from numba.core import sigutils as _sigutils
@@ -167,4 +169,42 @@ def _lock_cache_files(root: str) -> None:
         d.compile = _claiming(d.compile, root, fd)
 
 
+def _own_names(method):
+    """CPUCodeLibrary.finalize, noting first the functions the library defines itself (before the
+    callees' libraries are linked in)."""
+    def run(self):
+        self._pykv_own = {f.name for f in self._final_module.functions if not f.is_declaration}
+        return method(self)
+    run.__name__, run.pykv_internal = method.__name__, True
+    return run
+
+
+def _internalizing(method):
+    """CPUCodeLibrary._optimize_final_module that first makes internal every function finalize has just
+    linked in from the callees' libraries.  Numba links a copy of each callee into every caller and
+    leaves the copies weak (linkonce_odr, or weak_odr for a parallel loop's wrapper) in the machine code,
+    and the JIT binds every caller to the first definition of that name loaded in the process.  The
+    copies are optimized with each caller (other inlining, other vectorized sums), so a caller ran
+    whichever copy came first: the bits of a model's decode depended on which kernels the process had
+    compiled or loaded before (cold against warm cache, other models in the process).  Internal, each
+    caller runs the copy it was compiled with."""
+    def run(self):
+        own = getattr(self, "_pykv_own", None)
+        if own is not None:
+            for fn in self._final_module.functions:
+                if not fn.is_declaration and fn.name not in own and fn.linkage != _ll.Linkage.internal:
+                    fn.linkage = _ll.Linkage.internal
+        return method(self)
+    run.__name__, run.pykv_internal = method.__name__, True
+    return run
+
+
+def _internalize_linked_copies() -> None:
+    lib = _codegen.CPUCodeLibrary
+    if not getattr(lib.finalize, "pykv_internal", False):
+        lib.finalize = _own_names(lib.finalize)
+        lib._optimize_final_module = _internalizing(lib._optimize_final_module)
+
+
+_internalize_linked_copies()
 _use_cache_dir()

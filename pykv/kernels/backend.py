@@ -52,10 +52,10 @@ class Backend:
     def synchronize(self) -> None:
         pass
 
-    def workers(self) -> int:
-        """Parallel workers the attention split aims at (KVCache.chunk_for): CPU threads in use."""
-        import numba
-        return numba.get_num_threads()
+    def workers(self) -> int | None:
+        """Parallel workers the attention split aims at (KVCache.chunk_for); None on the CPU, whose split
+        is by keys, the same at every thread count."""
+        return None
 
     @property
     def max_workers(self) -> int:

@@ -18,7 +18,7 @@ order from a shared counter:
     stage 9  attention over the cache: one item per (KV head, key chunk)            (mode ATTN)
     stage 10 the chunks' partials merged into att (layer l+1's attention output)   1 item  (mode ATTN)
 
-An item waits (spinning) until the nearest non-empty earlier stage has finished every item; a product item
+An item waits (spinning, then yielding its core: sync.wait_until) until the nearest non-empty earlier stage has finished every item; a product item
 that has to wait prefetches its first row tile meanwhile.  Items are claimed in increasing order and only wait on
 lower-numbered ones, each held by a running thread, so the region finishes at any thread count (one
 thread runs them in order).  Every product is the integer tile dot of the matmul kernels, so the
@@ -46,7 +46,7 @@ from .attention import merge_row
 from .kvquant import _append_row
 from .ops import add_inplace, add_rmsnorm_act_row, attn_out_act_row, qkv_prep, rmsnorm_act_row, swiglu_act_row
 from .simd import prefetch
-from .sync import fetch_add, load_acquire, spin_pause
+from .sync import fetch_add, load_acquire, wait_until
 from .tiles import KTILE_ROWS, TILE_ROWS, dot_any_by
 
 KOFF = 100
@@ -282,8 +282,7 @@ def chain(cq, ck, cv, co, cg, cu, cd, mode, eps, rotate, P, split, n_past, chunk
             p = prev[s]
             if p >= 0 and load_acquire(sync, 8 + 8 * p) < n[p]:
                 _warm_item(s, j0, W)
-                while load_acquire(sync, 8 + 8 * p) < n[p]:
-                    spin_pause()
+                wait_until(sync, 8 + 8 * p, n[p])
             if s >= 8:      # through a function pointer: one compiled attention for every chain (bind)
                 P.fn.f(s, j0, j1, rotate, n_past, chunk, ns_k, ns_v, li, smooth, K, pt, ksink, vsink, shift, scale)
             else:
@@ -409,9 +408,7 @@ class Chain:
         else:
             mode |= ATTN
         if self.entry is None:      # compiles or loads chain for these codes, then keeps its entry point
-            M._call_kind(chain, self.lits, mode, eps, rotate, P, numba.get_num_threads(), *fa)
-            self.entry = M._SPECIALIZED.get((chain, self.lits))
-            return
+            self.entry = M._entry(chain, self.lits, (mode, eps, rotate, P, numba.get_num_threads()) + tuple(fa))
         self.entry(*self.lits, mode, eps, rotate, P, numba.get_num_threads(), *fa)
 
 

@@ -47,14 +47,19 @@ classes, chosen by what Numba compiles for), repacked at load:
   VNNI): decode 35 GB/s of weights from DRAM (2.9x the float tiles), prefill 3.9x dequantize + sgemm.
   Any weight with a non-finite f16 scale runs the generic per-row q8 kernel.
 With q8_act=False, Q4_0 / Q4_1 / Q8_0 use float-activation tiles (vectorized across rows); prefill
-(T >= _BLAS_MIN_T) then goes through each of numba.get_num_threads() Python threads dequantizing its
-share of the row tiles to a float32 W^T chunk and calling a single-threaded sgemm.
+(T >= _BLAS_MIN_T) then goes through numba.get_num_threads() Python threads, each dequantizing a run of
+row tiles (a work item, the same runs at every thread count) to a float32 W^T chunk and calling a
+single-threaded sgemm.
 """
 from __future__ import annotations
+
+import itertools
+import threading
 
 import numpy as np
 from numba import literally, njit, prange, types
 from numba.extending import overload
+from numba._dispatcher import compute_fingerprint
 import numba
 
 from gguf import GGMLQuantizationType as _GT
@@ -224,6 +229,10 @@ def _deq_row_kv(code: int):
     if f is None:
         def row(w, y):
             deq_rows(code, w, 0, 0, 1, y.reshape(1, y.shape[0]))
+        # a name of its own per code: Numba's symbol for a function is its qualified name, argument types
+        # and a per-process counter, so two codes' decoders compiled in two processes can share a symbol,
+        # and the JIT links a cached caller to whichever of them it loaded first (issue 38)
+        row.__name__ = row.__qualname__ = f"_deq_row_kv_{code}"
         f = _DEQ_ROW_KV[code] = njit(nogil=True)(row)
     return f
 
@@ -706,19 +715,37 @@ def _mm_tile_q4_3(qa, da, oa, qb, db, ob, qc, dc, oc, T, X, XF):
 _SPECIALIZED = {}
 
 
-def _call_kind(disp, kind, *args):
-    """disp(kind, *args) (kind: an int, or a tuple of ints passed as the leading arguments) where disp
-    specializes on them with numba.literally: the compiled specialization is called directly (the
-    dispatcher would redo its literal retry, milliseconds, on every call)."""
-    lits = kind if isinstance(kind, tuple) else (kind,)
-    f = _SPECIALIZED.get((disp, lits))
+def _arg_key(disp, a):
+    """What a compiled specialization depends on in argument a: Numba's type fingerprint (dtype, ndim,
+    layout, writability: ~0.1 us), or the Numba type itself where it has none (a structref)."""
+    try:
+        return compute_fingerprint(a)
+    except (NotImplementedError, ValueError, TypeError):
+        return disp.typeof_pyval(a)
+
+
+def _entry(disp, lits, args):
+    """disp's compiled specialization for the literals lits (a tuple of ints, the leading arguments) and
+    the types of args: compiled, or loaded from Numba's cache, once per process.  Keyed by the argument
+    types too: an entry point unboxes its arguments as the types it was compiled for, without checking,
+    so one compiled for another model's arrays would read these as those (issue 38)."""
+    key = (disp, lits) + tuple(_arg_key(disp, a) for a in args)
+    f = _SPECIALIZED.get(key)
     if f is None:
         # compile (or load from the cache) the literal signature at once: a plain call would first type
         # the kernel with int64 kinds, run Numba's untyped passes and inlining (~1 s a kernel, in every
         # process, cache or not) only to hit literally() and retry with the literals
         sig = tuple(types.literal(k) for k in lits) + tuple(disp.typeof_pyval(a) for a in args)
-        f = _SPECIALIZED[disp, lits] = disp.compile(sig)
-    return f(*lits, *args)
+        f = _SPECIALIZED[key] = disp.compile(sig)
+    return f
+
+
+def _call_kind(disp, kind, *args):
+    """disp(kind, *args) (kind: an int, or a tuple of ints passed as the leading arguments) where disp
+    specializes on them with numba.literally: the compiled specialization is called directly (the
+    dispatcher would redo its literal retry, milliseconds, on every call)."""
+    lits = kind if isinstance(kind, tuple) else (kind,)
+    return _entry(disp, lits, args)(*lits, *args)
 
 
 _ITILE_TB = 16      # prefill: tokens per work item (a tile's weights stay in L1/L2 across them)
@@ -1135,94 +1162,117 @@ _BLAS_MIN_T = 16            # tile weights with at least this many tokens: dequa
 _BLAS_CHUNK = 1 << 20       # floats of dequantized W^T per sgemm call per thread (4 MB: stays in L2/L3)
 
 
-def _blas_local_threads():
-    """OpenBLAS's per-calling-thread thread count setter (0.3.27+), or None."""
-    import ctypes
-    import glob
-    import os
-    d = os.path.join(os.path.dirname(np.__file__), "..", "numpy.libs")
-    for path in glob.glob(os.path.join(d, "*openblas*")):
-        try:
-            f = ctypes.CDLL(path).openblas_set_num_threads_local
-        except (OSError, AttributeError):
-            continue
-        f.argtypes, f.restype = [ctypes.c_int], ctypes.c_int
-        return f
-    return None
-
-
 class _BlasPool:
-    """Runs the row-parts of a prefill matmul on numba.get_num_threads() Python threads (the main
-    one included); each part dequantizes its row tiles to a private float32 W^T and calls a
-    single-threaded sgemm (numpy releases the GIL), so no OpenMP or OpenBLAS thread pool spins
-    against another."""
+    """Runs a prefill matmul's work items on numba.get_num_threads() Python threads (the calling one
+    included), each taking the next item as it finishes one (a descheduled thread holds up one item, not
+    a fixed share); an item dequantizes its row tiles to a private float32 W^T and calls sgemm (numpy
+    releases the GIL).  BLAS runs single-threaded for the whole run: its thread count (process-wide in
+    OpenBLAS's pthreads build, whatever the name of its "local" setter) is set to 1 before the first item
+    and put back after the last, through threadpoolctl, for whichever BLAS numpy loaded.  Set and
+    restored per part instead, one thread's restore let another's sgemm run multi-threaded."""
 
     def __init__(self):
         self.pool = None
         self.n = 0
-        self.set_local = _blas_local_threads()
         self.bufs = {}
+        self.blas = None        # threadpoolctl's controllers of the loaded BLAS libraries (made on first use)
+        self.lock = threading.Lock()
+        self.active = 0         # runs in progress (models on several threads): the last one restores BLAS
+        self.saved = []
 
-    def buf(self, i, size):
-        b = self.bufs.get(i)
+    def buf(self, size):
+        """The calling thread's float32 scratch of at least size floats."""
+        key = threading.get_ident()
+        b = self.bufs.get(key)
         if b is None or b.size < size:
-            b = self.bufs[i] = np.zeros(size, np.float32)
+            b = self.bufs[key] = np.zeros(size, np.float32)
         return b
 
-    def run(self, fns):
-        if len(fns) == 1:
-            return self._call(fns[0])
-        if self.pool is None or self.n < len(fns) - 1:
-            from concurrent.futures import ThreadPoolExecutor
-            self.n = len(fns) - 1
-            self.pool = ThreadPoolExecutor(self.n, initializer=self._init)
-        futs = [self.pool.submit(f) for f in fns[1:]]
-        self._call(fns[0])
-        for f in futs:
-            f.result()
+    def _enter(self):
+        with self.lock:
+            if self.active == 0:
+                ctl = self._controllers()
+                self.saved = [c.get_num_threads() for c in ctl]
+                for c, n in zip(ctl, self.saved):
+                    if n != 1:
+                        c.set_num_threads(1)
+            self.active += 1
 
-    def _init(self):
-        if self.set_local is not None:
-            self.set_local(1)
+    def _exit(self):
+        with self.lock:
+            self.active -= 1
+            if self.active == 0:
+                for c, n in zip(self._controllers(), self.saved):
+                    if n != 1:
+                        c.set_num_threads(n)
 
-    def _call(self, f):
-        if self.set_local is None:
-            return f()
-        old = self.set_local(1)
+    def _controllers(self):
+        if self.blas is None:
+            try:
+                from threadpoolctl import ThreadpoolController
+                self.blas = ThreadpoolController().select(user_api="blas").lib_controllers
+            except Exception:       # no threadpoolctl, or a BLAS it cannot inspect: leave its threads alone
+                self.blas = []
+        return self.blas
+
+    def run(self, n_items: int, item, threads: int) -> None:
+        """item(k) for k in range(n_items) on up to `threads` threads, BLAS at one thread meanwhile."""
+        self._enter()
         try:
-            return f()
+            nth = max(1, min(threads, n_items))
+            if nth == 1:
+                for k in range(n_items):
+                    item(k)
+                return
+            with self.lock:
+                if self.pool is None or self.n < nth - 1:
+                    from concurrent.futures import ThreadPoolExecutor
+                    self.n = nth - 1
+                    self.pool = ThreadPoolExecutor(self.n)
+            claim = itertools.count()         # next() is atomic under the GIL
+
+            def worker():
+                for k in claim:
+                    if k >= n_items:
+                        return
+                    item(k)
+            futs = [self.pool.submit(worker) for _ in range(nth - 1)]
+            try:
+                worker()
+            finally:
+                for f in futs:
+                    f.result()
         finally:
-            self.set_local(old)
+            self._exit()
 
 
 _blas = _BlasPool()
+_BLAS_ITEMS = 8             # a weight splits into at least this many work items where it has the tiles
 
 
 def _matmul_blas(w: Weight, T: int, X: np.ndarray, out: np.ndarray) -> None:
-    """out[:T] = X[:T] @ W.T through float32 copies of W^T, by row tiles (tile kernels only)."""
+    """out[:T] = X[:T] @ W.T through float32 copies of W^T, by row tiles (tile kernels only).  The work
+    items (runs of `per` row tiles) do not depend on the thread count, so neither do the bits: each
+    output column comes from one sgemm of the same shape whichever thread runs it."""
     nt, R = w.qt.shape[0], w.qt.shape[3]
     cols = w.cols
-    nth = max(1, min(numba.get_num_threads(), nt))
-    per = max(1, min(-(-nt // nth), _BLAS_CHUNK // (cols * R)))
+    per = max(1, min(-(-nt // _BLAS_ITEMS), _BLAS_CHUNK // (cols * R)))
+    n_items = -(-nt // per)
     x = X[:T]
     q4 = w.kind == _KIND_TILE_Q4
 
-    def part(i, t_lo, t_hi):
-        def f():
-            buf = _blas.buf(i, cols * per * R)
-            for t0 in range(t_lo, t_hi, per):
-                t1 = min(t_hi, t0 + per)
-                r0, n = t0 * R, (t1 - t0) * R
-                WT = buf[:cols * n].reshape(cols, n)
-                if q4:
-                    _deq_tiles_q4_T(w.qt, w.sc, t0, t1, WT)
-                else:
-                    _deq_tiles_q8_T(w.qt, w.sc, t0, t1, WT)
-                m = min(n, w.rows - r0)
-                out[:T, r0:r0 + m] = np.matmul(x, WT)[:, :m]
-        return f
-    bounds = [nt * i // nth for i in range(nth + 1)]
-    _blas.run([part(i, bounds[i], bounds[i + 1]) for i in range(nth)])
+    def item(k):
+        t0 = k * per
+        t1 = min(nt, t0 + per)
+        r0, n = t0 * R, (t1 - t0) * R
+        WT = _blas.buf(cols * per * R)[:cols * n].reshape(cols, n)
+        if q4:
+            _deq_tiles_q4_T(w.qt, w.sc, t0, t1, WT)
+        else:
+            _deq_tiles_q8_T(w.qt, w.sc, t0, t1, WT)
+        m = min(n, w.rows - r0)
+        out[:T, r0:r0 + m] = np.matmul(x, WT)[:, :m]
+    _blas.run(n_items, item, numba.get_num_threads())
 
 
 class Fused:
@@ -1277,10 +1327,8 @@ def matmul_fused(ws, act: Act, outs) -> None:
         if f.ok == 1:
             args = (not act._q8_ok,) + _fused_args(f, T, act, outs)
             if f.entry is None:       # compiles or loads the specialization, then keeps its entry point
-                _call_kind(_mm_itile_3, f.kinds, *args)
-                f.entry = _SPECIALIZED.get((_mm_itile_3, f.kinds))
-            else:
-                f.entry(*f.kinds, *args)
+                f.entry = _entry(_mm_itile_3, f.kinds, args)
+            f.entry(*f.kinds, *args)
             act._q8_ok = True
         else:
             a, b = ws[0], ws[1]
@@ -1328,7 +1376,7 @@ class Bound:
                 self.entry = w.entry
         elif w.ggml_type not in _FLOAT_TYPES and w.kind in _INT_KINDS:
             disp, self.lits, self.k8, self.rest = _int_args(w, T, a, self.outs)
-            self.entry = _SPECIALIZED.get((disp, self.lits))
+            self.entry = _entry(disp, self.lits, (False,) + self.rest)
 
 
 def bind(ws, act: "Act", outs, T: int) -> Bound:
