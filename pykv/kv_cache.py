@@ -31,9 +31,7 @@ SMOOTH_MODE = "std"  # post-RoPE key channel scale: "qk" (E[k^2]/E[q^2])^SMOOTH_
 SMOOTH_ALPHA = 0.5
 SMOOTH_QK_POW = 0.2  # "qk": measured below the white-noise optimum 1/4 (KL proxy: 0.024 vs 0.026 nl3 keys)
 N_SINK = 4           # default: first tokens of a sequence also kept as exact f16 rows for quantized KV types
-CHUNKS_PER_THREAD = 4   # decode attention chunks per worker of a device backend (8 and 16 measured no faster)
-CHUNK_KEYS = 256     # CPU decode: keys per attention work item (fixed: results independent of the thread count)
-MAX_CHUNKS = 64      # CPU decode: at most this many chunks a head (longer sequences get longer chunks)
+CHUNKS_PER_THREAD = 4   # decode attention chunks per worker (8 and 16 measured no faster)
 KIVI_WINDOW = 3      # KIVI: full pages kept in f16 behind the newest one (KIVI's recent-token window)
 
 
@@ -504,20 +502,16 @@ class KVCache:
             return None
         return self.P - n_tokens % self.P
 
-    def chunk_for(self, n_tot: int, T: int, workers: int | None = None) -> int:
-        """Keys per attention work item.  Prefill already has many query blocks, so one chunk.  Decode
-        (T == 1) splits one long sequence so that every core works on it: on the CPU (workers None)
-        into chunks of CHUNK_KEYS keys (at most MAX_CHUNKS), a function of the length alone, since the
-        chunks' partial sums are merged in chunk order and the bits must not depend on the thread
-        count; on a device into about CHUNKS_PER_THREAD chunks per worker over the KV heads."""
+    def chunk_for(self, n_tot: int, T: int, workers: int) -> int:
+        """Keys per attention work item. Decode (T == 1) splits one long sequence into about
+        CHUNKS_PER_THREAD chunks per worker (the backend's: on the CPU the CPUs the process may use, not
+        the threads in use, so that the bits do not depend on the thread count) over the KV heads so every
+        core works on it; prefill already has many query blocks, so one chunk."""
         P, KVH = self.P, self.cfg.n_kv_heads
         if T > 1 or n_tot * KVH <= self._serial_keys:   # one chunk: a serial decode step splits for nothing
             return P * -(-n_tot // P)
-        if workers is None:
-            keys = max(CHUNK_KEYS, -(-n_tot // MAX_CHUNKS))
-        else:
-            keys = -(-n_tot // max(1, (CHUNKS_PER_THREAD * workers) // KVH))
-        return P * max(1, -(-keys // P))
+        want = max(1, (CHUNKS_PER_THREAD * workers) // KVH)
+        return P * max(1, -(-n_tot // (P * want)))
 
     def fold_static(self, li: int, cos, sin, part, n_rot: int, qmul):
         """Layer li's decode-chain attention arguments (kernels.chain.bind's kv): (k_pool, v_pool, the

@@ -13,7 +13,7 @@ from .gguf_io import WEIGHT_TYPES, GGUFFile, open_model
 from .kernels import matmul as mm
 from .kernels.backend import Backend, get_backend
 from .kernels.ops import rope_tables
-from .kv_cache import MAX_CHUNKS, N_SINK, KVCache, Sequence, _fmt_list
+from .kv_cache import N_SINK, KVCache, Sequence, _fmt_list
 from .threads import Threads, free_cores
 from .tokenizer import Tokenizer
 
@@ -196,7 +196,7 @@ class Model:
         self.n_batch = int(n_batch)
         self._bound = {}     # layer -> its decode products bound to the run state (_bound_calls)
         self.compile_helper = None   # pykv.warm.Helper compiling the decode kernels elsewhere (a cold cache)
-        self.max_chunks = max(MAX_CHUNKS, 8 * (self.be.workers() or 0)) + 2
+        self.max_chunks = 8 * self.be.max_workers + 2
         self.state = RunState(cfg, self.n_batch, self.max_chunks, self.be)
         cos, sin = rope_tables(self.n_ctx, cfg.rope_dims, cfg.rope_base, cfg.rope_freq_scale,
                                          self.weights.rope_freqs, cfg.yarn_ext_factor, cfg.yarn_attn_mul,

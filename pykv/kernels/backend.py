@@ -12,6 +12,7 @@ returned as is). Under NUMBA_ENABLE_CUDASIM=1 the cuda backend runs on numba's C
 from __future__ import annotations
 
 import importlib
+import os
 from types import ModuleType
 
 import numpy as np
@@ -52,15 +53,20 @@ class Backend:
     def synchronize(self) -> None:
         pass
 
-    def workers(self) -> int | None:
-        """Parallel workers the attention split aims at (KVCache.chunk_for); None on the CPU, whose split
-        is by keys, the same at every thread count."""
-        return None
+    def workers(self) -> int:
+        """Parallel workers the attention split aims at (KVCache.chunk_for): the CPUs this process may run
+        on, read once, and not the threads in use, since the chunks' partial sums are merged in chunk
+        order and the bits must not depend on the thread count (nor on the load, which picks it)."""
+        if not hasattr(self, "_cpus"):
+            try:
+                self._cpus = len(os.sched_getaffinity(0))
+            except (AttributeError, OSError):
+                self._cpus = os.cpu_count() or 1
+        return self._cpus
 
     @property
     def max_workers(self) -> int:
-        import numba
-        return numba.config.NUMBA_NUM_THREADS
+        return self.workers()
 
 
 class CudaBackend(Backend):
