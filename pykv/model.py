@@ -57,9 +57,12 @@ class Weights:
             if ti.ggml_type not in WEIGHT_TYPES:
                 raise PykvError(f"tensor {name} has unsupported type {GT(ti.ggml_type).name}")
             try:
-                return be.matmul.prepare_weight(ti.ggml_type, ti.data, rows, cols, q8_act)
+                w = be.matmul.prepare_weight(ti.ggml_type, ti.data, rows, cols, q8_act)
             except ValueError as e:
                 raise PykvError(f"tensor {name}: {e}") from None
+            if getattr(w, "qt", None) is not None:     # repacked (the kernels read the copy): drop the file's pages
+                gf.release(name)
+            return w
 
         def vec(name):
             return be.to_device(np.ascontiguousarray(gf.tensor(name, (D,), NORM_TYPES).data, dtype=np.float32))

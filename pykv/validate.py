@@ -253,6 +253,10 @@ def validate(gf) -> Config:
     cfg = check_metadata(md, gf.path)
     check_tokenizer(md, gf.path, cfg.n_vocab)
     check_tensors(gf.tensors, cfg, gf.path)
+    release = getattr(gf, "release", None)
+    if release is not None:         # the scan above read every byte: those pages need not stay ours
+        for name in gf.tensors:
+            release(name)
     return cfg
 
 

@@ -553,3 +553,18 @@ def test_loader_weight_types_are_the_kernels():
     """The loader's accepted weight types (gguf_io, read before Numba loads) are exactly what matmul runs."""
     from pykv.gguf_io import WEIGHT_TYPES
     assert {int(t) for t in WEIGHT_TYPES} == set(M.SUPPORTED_TYPES)
+
+
+@pytest.mark.parametrize("t", [GT.Q8_0, GT.Q4_1, GT.Q5_0, GT.Q6_K, GT.Q4_K])
+def test_repack_in_row_steps_equals_whole(t, monkeypatch):
+    """prepare_weight repacks a weight _REPACK_ROWS rows at a time (bounded temporaries, peak RSS): the
+    tiles equal one whole-tensor repack, a padded last tile included."""
+    rng = np.random.default_rng(9)
+    rows, cols = 5 * M.TILE_ROWS + 3, 256
+    raw = make_weight(t, rows, cols, rng)[0]
+    whole = M.prepare_weight(int(t), raw, rows, cols)
+    monkeypatch.setattr(M, "_REPACK_ROWS", 2 * max(M.TILE_ROWS, M.KTILE_ROWS))
+    steps = M.prepare_weight(int(t), raw, rows, cols)
+    assert whole.kind == steps.kind and whole.qt is not None
+    assert np.array_equal(whole.qt, steps.qt)
+    assert (whole.sc is None and steps.sc is None) or np.array_equal(whole.sc, steps.sc)

@@ -8,7 +8,9 @@ Per class, in a process of its own compiled for that class: the logits of the fi
 reference text (q8 activations, and float activations), and the perplexity of the text's first 4 windows
 of --ctx tokens with an f16 and a q4_0 cache (float activations, as `pykv perplexity`).  Each class's
 figures are printed against the first class's.  --cuda-tiny: a tiny synthetic model's logits on the CPU
-(float activations) and on the cuda backend (a GPU, or numba's simulator under NUMBA_ENABLE_CUDASIM=1).
+(float activations) and on the cuda backend (a GPU, or numba's simulator where there is none).
+--rotation-seeds N: the q4_0 cache's perplexity change (the same windows) under N Hadamard rotation sign
+seeds, each an equally valid rotation: the spread of that figure from rounding draws alone.
 Classes this host cannot run are skipped."""
 from __future__ import annotations
 
@@ -44,6 +46,19 @@ np.savez(out, **arr)
 json.dump(res, open(out + ".json", "w"))
 '''
 
+SEEDS_CHILD = r'''
+import sys, numpy as np, pykv, pykv.model as PM
+from pykv.evaluate import perplexity
+model, ctx, n_seeds, text = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+f = pykv.load(model, n_ctx=ctx + 8, q8_act=False, kv_rotate=False)
+ids = f.tokenize(open(text, encoding="utf-8").read())[:4 * ctx]
+base = perplexity(f, ids, ctx)["ppl"]
+for seed in range(n_seeds):
+    PM.ROTATE_SEED = 0x5EED + seed
+    m = pykv.load(model, n_ctx=ctx + 8, q8_act=False, kv_type_k="q4_0", kv_type_v="q4_0")
+    print(100 * (perplexity(m, ids, ctx)["ppl"] / base - 1), flush=True)
+'''
+
 CUDA_CHILD = r'''
 import sys, numpy as np, pykv
 sys.path.insert(0, sys.argv[3])
@@ -73,6 +88,7 @@ def main(argv=None) -> int:
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--text", default=str(ROOT / "tests" / "data" / "eval-gpl3.txt"))
     ap.add_argument("--cuda-tiny", action="store_true")
+    ap.add_argument("--rotation-seeds", type=int, default=0)
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     from pykv.models import resolve_model
@@ -129,6 +145,16 @@ def main(argv=None) -> int:
             where = "simulator" if env.get("NUMBA_ENABLE_CUDASIM") == "1" else "GPU"
             print(f"cuda ({where}; tiny model, float activations) against the CPU: max |dlogit| / max |logit| {d:.2e}, "
                   f"top-1 agreement {report['cuda_tiny']['top1']:.3f}")
+    if a.rotation_seeds:
+        r = subprocess.run([sys.executable, "-c", SEEDS_CHILD, model, str(a.ctx), str(a.rotation_seeds), a.text],
+                           capture_output=True, text=True)
+        if r.returncode:
+            print(f"rotation seeds: failed: {r.stderr.strip()[-400:]}", file=sys.stderr)
+        else:
+            ch = [float(x) for x in r.stdout.split()]
+            report["rotation_seeds"] = ch
+            print(f"q4_0 cache perplexity change over {len(ch)} rotation seeds: {min(ch):+.2f} .. {max(ch):+.2f} % "
+                  f"(mean {np.mean(ch):+.2f}, sd {np.std(ch, ddof=1) if len(ch) > 1 else 0:.2f} points)")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(report, f, indent=1)

@@ -870,6 +870,25 @@ def _deq_tiles_q8_T(qt, dt, t0, t1, WT):
                     row[r0 + i] = h2f(dt[tile, b, i]) * np.float32(qt[tile, b, j, i])
 
 
+def _repack_tiles_rows(gt, raw, rows, cols, R, itile):
+    """_repack_tiles, _REPACK_ROWS rows at a time into one (qt, sc) (a tile depends on its own R rows
+    only): bounded numpy temporaries at any weight size."""
+    step = max(R, _REPACK_ROWS // R * R)
+    if rows <= step:
+        return _repack_tiles(gt, raw, rows, cols, R, itile)
+    nt = -(-rows // R)
+    qt = sc = None
+    for r0 in range(0, rows, step):
+        n = min(step, rows - r0)
+        q, c = _repack_tiles(gt, raw[r0:r0 + n], n, cols, R, itile)
+        if qt is None:
+            qt = np.empty((nt,) + q.shape[1:], q.dtype)
+            sc = np.empty((nt,) + c.shape[1:], c.dtype)
+        qt[r0 // R:r0 // R + q.shape[0]] = q
+        sc[r0 // R:r0 // R + c.shape[0]] = c
+    return qt, sc
+
+
 def _repack_tiles(gt, raw, rows, cols, R, itile):
     """ggml Q4_0 / Q4_1 / Q8_0 rows -> row-interleaved tiles (qt, sc) of R rows (the last zero-padded).
     Float-activation layout: qt[tile, b, j, row] (byte j of each row's block b); integer-tile layout:
@@ -1022,7 +1041,7 @@ def prepare_weight(ggml_type: int, data: np.ndarray, rows: int, cols: int, q8_ac
                                   Q4_0: _KIND_ITILE_Q40, Q4_1: _KIND_ITILE_Q4, IQ4_NL: _KIND_ITILE_IQ4}[gt]
         else:
             R, kind = (_R_Q8, _KIND_TILE_Q8) if gt == Q8_0 else (_R_Q4, _KIND_TILE_Q4)
-        qt, sc = _repack_tiles(gt, raw, rows, cols, R, q8_act)
+        qt, sc = _repack_tiles_rows(gt, raw, rows, cols, R, q8_act)
         # the tile kernels run only with finite f16 scales (fast-math sums): inf / NaN stay on the generic kernel
         if _finite_f16(sc):
             w.qt, w.sc, w.kind = qt, sc, kind
@@ -1031,13 +1050,32 @@ def prepare_weight(ggml_type: int, data: np.ndarray, rows: int, cols: int, q8_ac
         R = KTILE_ROWS
         blk = raw.reshape(rows, -1, bb)
         if all(_finite_f16(f16_bits(blk[:, :, o:o + 2])) for o in _K_F16[gt]):
-            pad = -rows % R
-            if pad:
-                blk = np.concatenate([blk, np.zeros((pad,) + blk.shape[1:], np.uint8)])
-            w.qt = repack_ktile(_KTILE_FMT[gt], blk)
+            w.qt = _repack_ktile_rows(_KTILE_FMT[gt], blk, R)
             w.kind = _KIND_KTILE
             w.nbytes = int(w.qt.nbytes)
     return w
+
+
+_REPACK_ROWS = 4096      # rows a repack step: its numpy temporaries stay tens of MB at any weight size
+
+
+def _repack_ktile_rows(fmt, blk, R):
+    """repack_ktile of blk (rows, nsb, bytes) into one array, _REPACK_ROWS rows at a time (a tile depends
+    on its own R rows only), the last rows zero-padded to a whole tile: the whole-tensor repack's numpy
+    temporaries were several times the weight (peak RSS 1.9 GB for an 0.8 GB file)."""
+    rows = blk.shape[0]
+    step = max(R, _REPACK_ROWS // R * R)
+    out = None
+    for r0 in range(0, rows, step):
+        part = blk[r0:r0 + step]
+        pad = -part.shape[0] % R
+        if pad:
+            part = np.concatenate([part, np.zeros((pad,) + part.shape[1:], np.uint8)])
+        t = repack_ktile(fmt, part)
+        if out is None:
+            out = np.empty((-(-rows // R),) + t.shape[1:], t.dtype)
+        out[r0 // R:r0 // R + t.shape[0]] = t
+    return out
 
 
 def _finite_f16(h):
