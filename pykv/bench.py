@@ -411,6 +411,18 @@ def _pool_llama(into: dict, got: dict) -> None:
                         f"{name}_fa": ",".join(sorted(fas)) or None})
 
 
+
+def cpu_model() -> str:
+    """The host's CPU model name (/proc/cpuinfo), "unknown" where there is none: benchmark tables name it."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
+
 # ---- the benchmark ---------------------------------------------------------------------------------------
 def run_bench(model=None, *, n_prompt="512", n_gen="128", depth="0", ctk="f16", ctv=None, threads=None,
               reps: int = 3, kv_rotate=None, compare_llamacpp: bool = False, flash_attn: str = "auto",

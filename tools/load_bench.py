@@ -113,17 +113,6 @@ def llama_run(exe, model, threads: int) -> tuple[float, float]:
     return pp, tg
 
 
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model", nargs="?", default=None)
@@ -135,6 +124,7 @@ def main(argv=None) -> int:
     ap.add_argument("--env", action="append", default=[], help="K=V for the pykv runs (repeatable)")
     ap.add_argument("--json", default=None, help="write the results here")
     a = ap.parse_args(argv)
+    from pykv.bench import cpu_model
     from pykv.kernels.tiles import ISA
     from pykv.models import resolve_model
     model = str(resolve_model(a.model))

@@ -47,17 +47,6 @@ def bandwidth(a, threads: int, reps: int) -> float:
     return best
 
 
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mib", type=int, default=2048)
@@ -65,6 +54,7 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
+    from pykv.bench import cpu_model
     from pykv.kernels.tiles import ISA
     n = (a.mib << 20) // 4 // CHUNK * CHUNK
     arr = np.ones(n, np.float32)
