@@ -48,12 +48,16 @@ class Weights:
 
     @classmethod
     def load(cls, gf: GGUFFile, cfg: Config, q8_act: bool = True, be: Backend | None = None) -> "Weights":
-        """Every weight prepared (and uploaded) for backend be (default: the CPU)."""
+        """Every weight prepared (and uploaded) for backend be (default: the CPU).  A file of more than
+        PROGRESS_BYTES shows a progress bar on a terminal, one line on stderr otherwise."""
         be = be or get_backend("cpu")
         D, FF, V, KV = cfg.dim, cfg.ff_dim, cfg.n_vocab, cfg.kv_dim
+        bar = _load_progress(gf)
 
         def mat(name, rows, cols):
             ti = gf.tensor(name, (cols, rows))
+            if bar is not None:
+                bar.update(ti.data.nbytes)
             if ti.ggml_type not in WEIGHT_TYPES:
                 raise PykvError(f"tensor {name} has unsupported type {GT(ti.ggml_type).name}")
             try:
@@ -78,6 +82,8 @@ class Weights:
             lw.qkv, lw.gate_up = be.matmul.fuse((lw.wq, lw.wk, lw.wv)), be.matmul.fuse((lw.w_gate, lw.w_up))
         embd = mat("token_embd.weight", V, D)
         out = mat("output.weight", V, D) if "output.weight" in gf.tensors else embd
+        if bar is not None:
+            bar.close()
         freqs = None
         if "rope_freqs.weight" in gf.tensors:
             freqs = np.array(gf.tensor("rope_freqs.weight", (cfg.rope_dims // 2,), NORM_TYPES).data, np.float32)
@@ -93,6 +99,23 @@ class Weights:
                 seen.add(id(w))
                 total += w.nbytes
         return total
+
+
+PROGRESS_BYTES = 1 << 30
+
+
+def _load_progress(gf: GGUFFile):
+    """A tqdm bar over the file's bytes (a terminal) for a file over PROGRESS_BYTES, after one line on
+    stderr when stderr is not a terminal; else None."""
+    if gf.file_size <= PROGRESS_BYTES:
+        return None
+    import sys
+    msg = f"pykv: loading {os.path.basename(gf.path)} ({gf.file_size / 1e9:.1f} GB)"
+    if not sys.stderr.isatty():
+        print(msg, file=sys.stderr, flush=True)
+        return None
+    from tqdm import tqdm
+    return tqdm(total=gf.file_size, desc="pykv: loading", unit="B", unit_scale=True, file=sys.stderr, leave=False)
 
 
 class RunState:

@@ -568,3 +568,21 @@ def test_repack_in_row_steps_equals_whole(t, monkeypatch):
     assert whole.kind == steps.kind and whole.qt is not None
     assert np.array_equal(whole.qt, steps.qt)
     assert (whole.sc is None and steps.sc is None) or np.array_equal(whole.sc, steps.sc)
+
+
+@pytest.mark.parametrize("fmt", ["q4k", "q5k", "q6k"])
+def test_numba_k_repack_equals_numpy(fmt):
+    """kernels.tiles.repack_ktile_nb (the load-time repack of Q4_K / Q5_K / Q6_K, one parallel pass) writes
+    repack_ktile's layout bit for bit, on blocks of random bytes, with a zero-padded last tile."""
+    from pykv.kernels.tiles import KBYTES, KTILE_ROWS, repack_ktile, repack_ktile_nb
+    rng = np.random.default_rng(13)
+    bb = {"q4k": 144, "q5k": 176, "q6k": 210}[fmt]
+    R = KTILE_ROWS
+    for rows in (R, 3 * R + 5):
+        blk = rng.integers(0, 256, size=(rows, 3, bb), dtype=np.uint8)
+        pad = -rows % R
+        full = np.concatenate([blk, np.zeros((pad,) + blk.shape[1:], np.uint8)]) if pad else blk
+        want = repack_ktile(fmt, full)
+        got = repack_ktile_nb(fmt, blk, -(-rows // R))
+        assert got.shape == want.shape == (-(-rows // R), 3 * KBYTES[fmt] * R)
+        assert np.array_equal(got, want)

@@ -69,7 +69,8 @@ from .blocks import KVALUES_IQ4NL, deq_rows, rd_f16
 from .ops import PAR_T
 from .simd import h2f
 # (the tiles' weight-prefetch policy per ISA class: kernels.tiles PF_BYTES / KPF_AHEAD)
-from .tiles import ISA, KTILE_ROWS, TILE_ROWS, dot_ktile_by, dot_tile_by, f16_bits, lanes, repack_ktile
+from .tiles import (ISA, KBYTES, KTILE_ROWS, TILE_ROWS, dot_ktile_by, dot_tile_by, f16_bits, lanes, repack_ktile,
+                    repack_ktile_nb)
 
 __all__ = ["Weight", "Act", "prepare_weight", "matmul", "matmul_fused", "fuse", "Fused", "bind", "Bound", "get_rows", "set_exact", "quantize_act_q8",
            "quantize_act_q8k", "SUPPORTED_TYPES", "ISA"]
@@ -1060,22 +1061,39 @@ _REPACK_ROWS = 4096      # rows a repack step: its numpy temporaries stay tens o
 
 
 def _repack_ktile_rows(fmt, blk, R):
-    """repack_ktile of blk (rows, nsb, bytes) into one array, _REPACK_ROWS rows at a time (a tile depends
-    on its own R rows only), the last rows zero-padded to a whole tile: the whole-tensor repack's numpy
-    temporaries were several times the weight (peak RSS 1.9 GB for an 0.8 GB file)."""
-    rows = blk.shape[0]
+    """repack_ktile of blk (rows, nsb, bytes) into one array, the last rows zero-padded to a whole tile:
+    Q4_K / Q5_K / Q6_K by kernels.tiles.repack_ktile_nb, the others by numpy _REPACK_ROWS rows a step (a
+    tile depends on its own R rows only) on numba.get_num_threads() Python threads.  The whole-tensor
+    numpy repack's temporaries were several times the weight (peak RSS 1.9 GB for an 0.8 GB file)."""
+    rows, nsb = blk.shape[0], blk.shape[1]
+    out = repack_ktile_nb(fmt, blk, -(-rows // R))      # q4k / q5k / q6k: one parallel Numba pass
+    if out is not None:
+        return out
     step = max(R, _REPACK_ROWS // R * R)
-    out = None
-    for r0 in range(0, rows, step):
+    out = np.empty((-(-rows // R), nsb * KBYTES[fmt] * R), np.uint8)
+
+    def one(r0):
         part = blk[r0:r0 + step]
         pad = -part.shape[0] % R
         if pad:
             part = np.concatenate([part, np.zeros((pad,) + part.shape[1:], np.uint8)])
-        t = repack_ktile(fmt, part)
-        if out is None:
-            out = np.empty((-(-rows // R),) + t.shape[1:], t.dtype)
-        out[r0 // R:r0 // R + t.shape[0]] = t
+        repack_ktile(fmt, part, out[r0 // R:r0 // R + part.shape[0] // R])
+    _run_steps(one, range(0, rows, step))
     return out
+
+
+def _run_steps(fn, starts) -> None:
+    """fn(s) for every s, on up to numba.get_num_threads() threads (load-time repacks)."""
+    starts = list(starts)
+    n = min(numba.get_num_threads(), len(starts))
+    if n <= 1:
+        for s in starts:
+            fn(s)
+        return
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(n) as ex:
+        for f in [ex.submit(fn, s) for s in starts]:
+            f.result()
 
 
 def _finite_f16(h):
