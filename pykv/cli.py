@@ -46,7 +46,7 @@ def device_arg(p: argparse.ArgumentParser) -> None:
 
 def _sampling_args(p: argparse.ArgumentParser, n_predict: int = 128, temp: float = 0.8) -> None:
     p.add_argument("-n", "--n-predict", type=int, default=n_predict,
-                   help=f"tokens to generate (default {n_predict})")
+                   help=f"tokens to generate (default {n_predict}; -1: until the end of generation)")
     p.add_argument("--temp", type=float, default=temp)
     p.add_argument("--top-k", type=int, default=40)
     p.add_argument("--top-p", type=float, default=0.95)
@@ -108,11 +108,16 @@ def cmd_run(args) -> int:
         if not 1 <= len(pos) <= 2:
             raise PykvError("usage: pykv run [MODEL] PROMPT (quote the prompt)")
         model_path, prompt = pos if len(pos) == 2 else (None, pos[0])
+    if args.n_predict < -1:
+        raise PykvError(f"-n/--n-predict must be -1 (until the end of generation) or >= 0, got {args.n_predict}")
     model = load_from_args(args, model_path, compile_helper=True)
+    n_predict = args.n_predict
+    if n_predict == -1:     # as llama.cpp: until an end-of-generation token, or the context is full
+        n_predict = max(0, model.n_ctx - len(model.tokenize(prompt)))
     out = sys.stdout
     if args.echo:
         out.write(prompt)
-    for piece in model.generate(prompt, max_tokens=args.n_predict, temperature=args.temp, top_k=args.top_k,
+    for piece in model.generate(prompt, max_tokens=n_predict, temperature=args.temp, top_k=args.top_k,
                                 top_p=args.top_p, min_p=args.min_p, repeat_penalty=args.repeat_penalty,
                                 seed=args.seed, stop=args.stop or ()):
         out.write(piece)

@@ -187,6 +187,16 @@ def test_broken_pipe_exits_quietly():
     assert err == ""
 
 
+def test_n_predict_minus_one_runs_to_the_end_and_other_negatives_are_refused(capsys):
+    """-n -1: until an end-of-generation token or a full context (llama.cpp's meaning); below -1: a
+    one-line error, exit 2 (it once printed nothing and exited 0)."""
+    r = cli(capsys, "run", "Once upon a time", "-n", "-1", "-c", "24", "--temp", "0")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip()
+    assert "decode: " in r.stderr
+    assert_clean_error(cli(capsys, "run", "hi", "-n", "-5"), "-n/--n-predict must be -1")
+
+
 def test_seed_through_cli(capsys):
     run = lambda seed: cli(capsys, "run", "Once upon a time", "-n", "8", "--temp", "1.0", "--seed", seed)  # noqa
     a, b, c = run("11"), run("11"), run("12")
