@@ -52,8 +52,8 @@ FILE_TYPES: dict[str, int] = {
     "q6_k": gguf.LlamaFileType.MOSTLY_Q6_K,
 }
 SUPPORTED_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM")
-# KV cache element types reported by `info` (bytes per element = type size / block size)
-KV_INFO_TYPES = ("f32", "f16", "bf16", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0", "iq4_nl")
+# KV cache types reported by `info`: every type `pykv plan` and -ctk / -ctv take
+KV_INFO_TYPES = tuple(KV_FORMATS)
 
 
 def _type_name(t: QT) -> str:
@@ -1296,7 +1296,10 @@ def info(path) -> str:
             except ValueError:          # head size not a whole number of blocks: the table's nominal rate
                 per_tok = n_layer * n_kv * (kd + vd) * KV_FORMATS[kvt].bits / 8
             extra = f"   ({_fmt_bytes(per_tok * n_ctx)} at n_ctx={n_ctx})" if n_ctx else ""
-            lines.append(f"  {kvt:<7} {per_tok:>10.1f} bytes{extra}")
+            bits = 8 * per_tok / (n_layer * n_kv * (kd + vd))
+            lines.append(f"  {kvt:<9} {per_tok:>10.1f} bytes  {bits:5.2f} bits/value{extra}")
+        lines.append("  (klt types hold keys only: their rows count the values in the nl type of the same bits;"
+                     " int4 / int2 add their f16 window of the newest tokens)")
     return "\n".join(lines)
 
 

@@ -389,6 +389,9 @@ def test_info(tiny_bpe_gguf):
     assert "21 tensors" in s
     # 2 layers x 2 kv heads x (16 + 16) = 128 values per token
     assert "f16" in s and "512.0 bytes" in s and "q8_0" in s and "136.0 bytes" in s
+    from pykv.formats import KV_FORMATS       # every KV type -ctk / -ctv and `pykv plan` take
+    kv = s[s.index("KV cache per token"):]
+    assert all(f"\n  {t} " in kv for t in KV_FORMATS), kv
 
 
 def test_cli(tiny_bpe, tmp_path):
