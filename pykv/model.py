@@ -190,7 +190,9 @@ class Model:
         device: "cpu" or "cuda" (numba.cuda: weights, run state and KV cache on the GPU; float activations);
         the backend (kernels.backend) is picked here, once.  kv_window: the newest tokens each query
         reads as f16 copies (quantized types; KVCache), kv_window_type "q8_0": as q8_0 copies (half the bytes);
-        kv_sinks: the first tokens kept as f16 rows."""
+        kv_sinks: the first tokens kept as f16 rows.  threads: CPU threads for each call (self.threads, set
+        around the call on the calling thread); None: the cores other work leaves free, read per call
+        (pykv.threads).  Results do not depend on it (docs/repeatability.md)."""
         self.be = get_backend(device)   # first: a missing GPU / extra fails before any model fetch
         self.device = self.be.name
         if path is None or not os.path.exists(path):   # the default model or a registry name
