@@ -191,7 +191,7 @@ def main(argv=None) -> int:
     from .kernels import jitnote
     # one line on stderr when kernels compile (a cold cache), terminal or not: a first run piped into a
     # file would otherwise wait a minute without a word (llama.cpp logs its loading either way)
-    jitnote.install(sys.stderr)
+    jitnote.install("stderr")
     own = (threading.current_thread() is threading.main_thread()
            and signal.getsignal(signal.SIGINT) is signal.default_int_handler)
     if own:

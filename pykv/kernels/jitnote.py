@@ -7,6 +7,7 @@ cache), plus the time spent loading compiled kernels from that cache (the first 
 process: ~1 s in all for a warm `pykv run`, most of it Numba's one-time setup), which generate()
 subtracts from its tokens/s figures.
 """
+import sys
 import threading
 import time
 
@@ -22,8 +23,12 @@ def _say() -> None:
     if not _state["said"] and _state["stream"] is not None:
         _state["said"] = True
         from .tiles import ISA
-        print(f"pykv: compiling kernels for this CPU ({ISA}); once, cached for later runs "
-              "(up to a few minutes)...", file=_state["stream"], flush=True)
+        stream = sys.stderr if _state["stream"] == "stderr" else _state["stream"]
+        try:            # a note: never a reason for a compile to fail (a stream closed since install)
+            print(f"pykv: compiling kernels for this CPU ({ISA}); once, cached for later runs "
+                  "(up to a few minutes)...", file=stream, flush=True)
+        except (ValueError, OSError, AttributeError):
+            pass
 
 
 class _Note(_ev.Listener):
@@ -61,7 +66,8 @@ def _timed(method):
 
 
 def install(stream=None) -> None:
-    """Track compile (and cache load) time; with a stream (sys.stderr), also print one line at the first compile."""
+    """Track compile (and cache load) time; with a stream, also print one line at the first compile
+    ("stderr": whatever sys.stderr is then)."""
     with _lock:
         if stream is not None:
             _state["stream"] = stream
