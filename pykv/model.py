@@ -54,14 +54,14 @@ class Weights:
         D, FF, V, KV = cfg.dim, cfg.ff_dim, cfg.n_vocab, cfg.kv_dim
         bar = _load_progress(gf)
 
-        def mat(name, rows, cols):
+        def mat(name, rows, cols, repack=True):
             ti = gf.tensor(name, (cols, rows))
             if bar is not None:
                 bar.update(ti.data.nbytes)
             if ti.ggml_type not in WEIGHT_TYPES:
                 raise PykvError(f"tensor {name} has unsupported type {GT(ti.ggml_type).name}")
             try:
-                w = be.matmul.prepare_weight(ti.ggml_type, ti.data, rows, cols, q8_act)
+                w = be.matmul.prepare_weight(ti.ggml_type, ti.data, rows, cols, q8_act, repack)
             except ValueError as e:
                 raise PykvError(f"tensor {name}: {e}") from None
             if getattr(w, "qt", None) is not None:     # repacked (the kernels read the copy): drop the file's pages
@@ -80,8 +80,11 @@ class Weights:
                 mat(p + "ffn_gate.weight", FF, D), mat(p + "ffn_up.weight", FF, D), mat(p + "ffn_down.weight", D, FF)))
             lw = layers[-1]
             lw.qkv, lw.gate_up = be.matmul.fuse((lw.wq, lw.wk, lw.wv)), be.matmul.fuse((lw.w_gate, lw.w_up))
-        embd = mat("token_embd.weight", V, D)
-        out = mat("output.weight", V, D) if "output.weight" in gf.tensors else embd
+        tied = "output.weight" not in gf.tensors
+        # token_embd is read by get_rows from the file's blocks; its tile copy is made only when it is also
+        # the output matrix (tied), so no weight is held twice
+        embd = mat("token_embd.weight", V, D, repack=tied)
+        out = embd if tied else mat("output.weight", V, D)
         if bar is not None:
             bar.close()
         freqs = None

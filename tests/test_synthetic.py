@@ -15,10 +15,10 @@ from tests.reference import gguf_forward
 TOOL = Path(__file__).resolve().parent.parent / "tools" / "make_synthetic.py"
 
 
-@pytest.mark.parametrize("qtype", ["q4_k_m", "q8_0"])
-def test_synthetic_tiny_shape_matches_reference(tmp_path, qtype):
-    out = tmp_path / f"tiny-{qtype}.gguf"
-    r = subprocess.run([sys.executable, str(TOOL), "tiny", str(out), "--type", qtype], capture_output=True,
+@pytest.mark.parametrize("shape,qtype", [("tiny", "q4_k_m"), ("tiny", "q8_0"), ("tiny-spm", "q4_0")])
+def test_synthetic_tiny_shape_matches_reference(tmp_path, shape, qtype):
+    out = tmp_path / f"{shape}-{qtype}.gguf"
+    r = subprocess.run([sys.executable, str(TOOL), shape, str(out), "--type", qtype], capture_output=True,
                        text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     types = {t.name: t.tensor_type.name for t in GGUFReader(str(out)).tensors}
@@ -26,6 +26,13 @@ def test_synthetic_tiny_shape_matches_reference(tmp_path, qtype):
         assert types["blk.0.ffn_gate.weight"] == "Q4_K" and types["token_embd.weight"] == "Q6_K"
         assert types["blk.0.ffn_down.weight"] == "Q4_K" and types["blk.1.ffn_down.weight"] == "Q6_K"
     m = pykv.load(str(out), n_ctx=64)
+    w = m.weights
+    assert w.output.qt is not None           # the output product runs on a tile copy
+    if shape == "tiny":                      # tied: one weight, one copy, read by get_rows and the product
+        assert w.output is w.token_embd
+    else:                                    # untied: token_embd is read by get_rows only, and not copied
+        assert "output.weight" in types and w.token_embd.qt is None
+        assert w.token_embd.nbytes == w.token_embd.raw.nbytes
     ids = m.tokenize("the quick brown fox")
     assert m.detokenize(ids[1:]) == "the quick brown fox"
     want = gguf_forward(str(out), ids)

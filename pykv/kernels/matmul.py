@@ -1019,10 +1019,12 @@ def check_weight(ggml_type, data: np.ndarray, rows: int, cols: int):
     return gt, _as_bytes(data, rows, cols // be * bb, name)
 
 
-def prepare_weight(ggml_type: int, data: np.ndarray, rows: int, cols: int, q8_act: bool = True) -> Weight:
+def prepare_weight(ggml_type: int, data: np.ndarray, rows: int, cols: int, q8_act: bool = True,
+                   repack: bool = True) -> Weight:
     """Validate (check_weight) and wrap a GGUF 2-D weight (gguf shape [cols, rows]) for matmul/get_rows.
     q8_act=False keeps Q4_0/Q4_1/Q8_0 on the float-activation tiles and the K-quants on the generic kernel
-    (the integer-dot tiles, q8 activations, are the default on every host)."""
+    (the integer-dot tiles, q8 activations, are the default on every host).  repack=False: no tile copy
+    (a weight only get_rows reads, such as an untied token_embd; matmul then runs the generic kernel)."""
     gt, raw = check_weight(ggml_type, data, rows, cols)
     rows, cols = int(rows), int(cols)
     bb = _BLOCK[gt][1]
@@ -1036,6 +1038,8 @@ def prepare_weight(ggml_type: int, data: np.ndarray, rows: int, cols: int, q8_ac
         w.fw = raw.view(np.float32)
     elif gt in (F16, BF16):
         w.fw = raw.view(np.uint16)
+    elif not repack:
+        pass
     elif gt in (Q4_0, Q4_1, Q8_0) or (gt in (Q5_0, Q5_1, IQ4_NL) and q8_act):
         if q8_act:
             R, kind = TILE_ROWS, {Q8_0: _KIND_ITILE_Q8, Q5_0: _KIND_ITILE_Q50, Q5_1: _KIND_ITILE_Q5,

@@ -213,9 +213,10 @@ class Weight:
         return f"cuda.Weight({self.ggml_type}, rows={self.rows}, cols={self.cols}, nbytes={self.nbytes})"
 
 
-def prepare_weight(ggml_type: int, data: np.ndarray, rows: int, cols: int, q8_act: bool = True) -> Weight:
-    """Validate (the CPU's check_weight) and upload once. q8_act is accepted for the CPU signature and
-    ignored: the device path always uses float activations."""
+def prepare_weight(ggml_type: int, data: np.ndarray, rows: int, cols: int, q8_act: bool = True,
+                   repack: bool = True) -> Weight:
+    """Validate (the CPU's check_weight) and upload once. q8_act and repack are accepted for the CPU
+    signature and ignored: the device path always uses float activations on the raw blocks."""
     gt, raw = _cpu.check_weight(ggml_type, data, rows, cols)
     df, du = _dummy()
     w = Weight()
