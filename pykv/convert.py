@@ -121,7 +121,7 @@ def encode(x: np.ndarray, qt: QT, backend: str | None = None, qw: np.ndarray | N
     if qt == QT.BF16:
         return gguf.quants.quantize(x, QT.BF16)
     if not x.flags.writeable:   # a read-only array (a GGUF memmap) is another Numba type: one compiled
-        x = x.copy()            # quantizer, not two (~45 s each on Zen 3)
+        x = x.copy()            # quantizer, not two (each a long compile)
     name = _type_name(qt)
     from pykv.kernels import quantize_k as K
     imat = qw is not None and int(qt) in K.LEGACY_BLOCK_BYTES

@@ -77,7 +77,7 @@ class _Header:
 
     def strings(self, n: int) -> list:
         """n strings in a row (a vocabulary: 49k tokens and 48k merges in SmolLM2): string()'s checks in one
-        loop with local names (SmolLM2's header: 0.11-0.19 -> 0.08 s)."""
+        loop with local names (the vocabulary dominates the header's parse time)."""
         mm, end, off, out = self.mm, self.n, self.off, []
         length = _U64.unpack_from
         for _ in range(n):
@@ -119,8 +119,8 @@ class _Header:
 
 def _parse(path: str):
     """(metadata dict, [(name, ggml_type, ggml-order shape, data offset, bytes)], data view) of a GGUF
-    v2/v3 little-endian file.  A direct parser: gguf.GGUFReader builds numpy views of every field and
-    took 1.7 s of a 3 s warm start on SmolLM2 (its 49k-token vocabulary)."""
+    v2/v3 little-endian file.  A direct parser: gguf.GGUFReader builds numpy views of every field, which
+    dominated a warm start on a model with a large vocabulary."""
     with open(path, "rb") as f:
         magic = f.read(4)
         if magic != GGUF_MAGIC:
@@ -214,8 +214,7 @@ class GGUFFile:
     def release(self, name: str) -> None:
         """Drop this process's pages of a tensor's bytes (madvise MADV_DONTNEED on the read-only mapping):
         for a weight repacked at load, whose kernels read the copy.  The bytes stay readable; a later read
-        faults them in again from the page cache.  Without it a repacked model held both copies: peak
-        RSS about 3x the file (Llama-3.2-1B shape, Q4_K_M)."""
+        faults them in again from the page cache.  Without it a repacked model holds both copies."""
         ti = self.tensors.get(name)
         advice = getattr(mmap, "MADV_DONTNEED", None)
         if ti is None or advice is None or not ti.nbytes:

@@ -10,11 +10,11 @@ weighted by E[q' q'^T] = A^-T Sq A^-1.  The *balanced* map
     A = diag(sigma)^(1/2) U^T Lk^-1
 
 makes both the keys' and the queries' second moments diag(sigma): channel i of y moves the scores by
-sigma_i, and for SmolLM2 the first channel alone carries 40-60 % of the score variance, the first 32
-of 64 about 97 %.  The klt formats (formats.KV_FORMATS: nl blocks with code widths falling along the
-block, ``nl_runs``) spend their bits there: y's channels in sigma order fill the runs, a sign-flipped
-Walsh-Hadamard transform inside each run makes its values Gaussian-like and equal in spread, and each
-run is scaled to unit variance so one f16 scale per block serves every width.  All of it folds into one
+sigma_i, and the first few channels carry most of the score variance.  The klt formats
+(formats.KV_FORMATS: nl blocks with code widths falling along the block, ``nl_runs``) spend their bits
+there: y's channels in sigma order fill the runs, a sign-flipped Walsh-Hadamard transform inside each
+run makes its values Gaussian-like and equal in spread, and each run is scaled to unit variance so one
+f16 scale per block serves every width.  All of it folds into one
 matrix per KV head: the key side M_k (HD, HD) applied to k - mu after RoPE (and after the cache's
 Hadamard rotation, whose matrix R is folded in: M_k = A R^T, mu_r = R mu, M_q = A^-T R^T), the query
 side M_q = M_k^-T.  `ops.key_xform` applies them; attention then runs unchanged on the stored y.
@@ -24,10 +24,8 @@ The statistics come from the model's own keys and queries on the built-in calibr
 in windows of min(n_ctx, CALIB_CTX) tokens, token 0 of each window (the attention sink, kept exact in
 f16 anyway) left out.  They are cached per model fingerprint, ids and window in
 ``$PYKV_CACHE/kv_transform`` (default ~/.cache/pykv), so a second load costs one eigendecomposition per
-KV head and layer.  Measured (README, "klt3 / klt2"): keys-only KL on the reference text at 2.25 bits
-per value, no window, 0.546 (nl2) -> 0.283 (klt2); with the token-adaptive window the gain mostly goes
-(64 q8_0 rows: 0.037 nl2, 0.043 klt2).  The same map on values was worse than the Hadamard rotation in
-a numpy fake-quantization run, so klt types are key types only.
+KV head and layer.  klt types are key types only: on values the same map does worse than the Hadamard
+rotation.  Figures: docs/code-notes.md.
 """
 from __future__ import annotations
 
@@ -46,10 +44,8 @@ CALIB_CTX = 1024     # calibration window (tokens); shorter when the model's con
 REG = 1e-6           # ridge on Sk and Sq (relative to their mean diagonal) before the factorizations
 SIGN_SEED = 0x4B17   # the run Hadamards' fixed sign flips
 Q_SHRINK = 0.7      # Sq shrunk toward its mean diagonal before the map (0: the pooled query moment as
-                    # measured, 1: the keys' own KLT).  Keys-only KL on the reference text (klt2 keys, f16
-                    # values): no window 0.276 / 0.283 at 0 / 0.7; a 64-row q8_0 window 0.052 (0), 0.051
-                    # (0.3), 0.043 (0.7), 0.044 (0.9), 0.047 (1): a pooled query moment over-trusts the
-                    # directions that most queries leave alone and some use.
+                    # measured, 1: the keys' own KLT): a pooled query moment over-trusts the directions
+                    # that most queries leave alone and some use (the sweep: docs/code-notes.md)
 
 
 # ---- statistics -----------------------------------------------------------------------------------

@@ -105,7 +105,7 @@ _DECODE_TABLE.update({c: 0x100 for c in range(256) if chr(c) not in _UNI_TO_BYTE
 
 
 def _byte_decode(text: str) -> bytes:
-    try:        # the common case in one C pass (SmolLM2's 49k pieces, cProfile: 0.26 -> 0.09 s)
+    try:        # the common case in one C pass
         return text.translate(_DECODE_TABLE).encode("latin-1")
     except UnicodeEncodeError:
         pass

@@ -1,24 +1,21 @@
 """The compile helper: on a cold kernel cache, a second process compiles the decode step's kernels while
 this one compiles the prompt's.
 
-Numba compiles one kernel at a time in a process (one lock), on one core.  A cold `pykv run` (no
-kernels cached for this CPU and these kernel sources: the first run, or after an upgrade) compiles the
-prompt's kernels (prefill matmuls, attention, KV appends) and then the decode step's (kernels.chain and
-the decode attention it calls), one after the other: 159 / 134 / 120 s wall on a 2-core Zen 3 without
-this helper, 78 / 79 / 84 s with its first version, 68 s with the helper's steps past the sink rows
-(2026-12-04/05), 58 / 54 / 54 s since the processes claim their compiles (kernels/__init__) and the helper
-compiles the chains first (chains_first, 2026-12-05).  start() runs
-`python -m pykv.warm SPEC` on the same model file and KV settings: it loads the model and samples two
-one-token steps, so it compiles the decode kernels into the shared cache (kernels/__init__ locks the
-cache's files) while the caller compiles the prompt's.  The caller's model waits for the helper before
-its own first one-token step (Model._batch) and then loads those kernels from the cache; the wait is
-counted with the compile time (kernels.jitnote), which the tokens/s figures exclude.
+Numba compiles one kernel at a time in a process (one lock), on one core, so a cold `pykv run` (no
+kernels cached for this CPU and these kernel sources) would compile the prompt's kernels and then the
+decode step's (kernels.chain and its attention) one after the other; the helper overlaps the two
+(timings: docs/code-notes.md).  start() runs `python -m pykv.warm SPEC` on the same model file and KV
+settings: it loads the model and samples two one-token steps, compiling the decode kernels into the
+shared cache (kernels/__init__ locks its files).  The caller's model waits for the helper before its
+first one-token step (Model._batch), then loads those kernels from the cache; the wait counts as compile
+time (kernels.jitnote), which the tokens/s figures exclude.
 
 Started by the CLI's run and chat commands only when it can pay and the cache's files can be locked
 (POSIX flock): a CPU model, more than one CPU for this process, the decode chain's kernel not cached
 yet, no --kv-bits calibration (the helper would measure it again), a model file under a quarter of the
-available memory (the helper holds a second copy of the weights), and PYKV_COMPILE_HELPER not "0".  The helper's output goes nowhere; it is
-stopped when this process exits, and a helper that fails or is stopped costs only the parallelism.
+available memory (the helper holds a second copy of the weights), and PYKV_COMPILE_HELPER not "0".
+Its output goes nowhere; it is stopped when this process exits, and a helper that fails or is stopped
+costs only the parallelism.
 """
 from __future__ import annotations
 
@@ -131,7 +128,7 @@ def main(argv=None) -> int:
     seq = model.new_sequence()
     # the caller's steps follow its prompt: they run the folded decode (KVCache.fold_args), which a
     # sequence's first token and tokens in the f16 sink rows do not (they would compile the prompt's
-    # attend, append_rows and _item's prefill specialization here too, ~25 s, Zen 3); so start past them,
+    # attend, append_rows and _item's prefill specialization here too); so start past them,
     # on zero K/V rows (the pools start zeroed; identity key smoothing)
     skip = max(1, model.cache.NS)
     model.cache.reserve(seq, skip)

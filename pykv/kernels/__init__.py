@@ -6,19 +6,16 @@ function on its own file only, so an edit to, or an upgrade of, a module it inli
 blocks.py) would otherwise load stale machine code for matmul.py or attention.py without a word.
 Folder: $NUMBA_CACHE_DIR (if set) or $PYKV_CACHE or ~/.cache/pykv, then numba/<hash>.
 
-Processes share that folder (two `pykv run` at once, pytest-xdist workers, the compile helper of
-pykv.warm), so its index files are read and written under a file lock (_locked below): Numba's own
-save reads a function's index, picks a free data-file name, writes the index and then the data, with
-nothing to stop another process doing the same in between; two processes saving two signatures of
-one function could both pick `f-1.nbc`, leaving the index naming one signature and the file holding
-the other's machine code, which a later process would load and call.
+Processes share that folder (two `pykv run` at once, pytest-xdist workers, pykv.warm's compile
+helper), so its index files are read and written under a file lock (_locked below): Numba's own save
+picks a free data-file name, then writes index and data, with nothing to stop another process doing the
+same in between: two could both pick `f-1.nbc`, leaving an index that names one signature over the
+other's machine code, which a later process would load and call.
 
 They also take turns on compiling (_claiming below): a process about to compile or load a signature of
 a cached kernel first claims it (a POSIX record lock on one byte of the folder's .pykv.claims, at a
 hash of the function and signature), so a process that needs a kernel another is compiling waits for it
-and loads the saved code instead of compiling the same thing at once (the compile helper and its caller
-both compiled the KV row quantizer and the attention's row decoder, and in one run its decode work
-item: 11-16 s of a cold `pykv run`'s ~110 s of compiling in two processes, Zen 3, class avx2)."""
+and loads the saved code instead of compiling the same thing twice at once."""
 import contextlib
 import errno
 import hashlib
@@ -101,7 +98,7 @@ def cache_locked() -> bool:
 
 
 CLAIM_WAIT_S = 120.0    # the longest a compile waits for another process's claim (then it compiles anyway: a
-#                         duplicate at worst; the longest claim seen, attend with its nested compiles, ~35 s on Zen 3)
+#                         duplicate at worst; well above the longest claim, attend with its nested compiles)
 
 
 @contextlib.contextmanager

@@ -19,13 +19,11 @@ the dot-per-row loops (_scores_mk / _accum_mk, in _item's prefill specialization
 q8_0 pool rows skip the tiles (kernels.kvdot reads them in place): 1 + 2 become exact int32 dots of
 the int8 keys with the query rows' int16 form (_quant_q16, once per work item), and 4 adds each V
 row's int8 values, made float once, to the G rows with weight p * d (the block scale folded in).
-At depth 4096 (tools/bench_attention.py, SmolLM2, 2 threads, Zen 5) that took a q8_0 decode step's
-attention from 0.23-0.24 to 0.16-0.17 ms a layer.
 
 Partials (m, l, acc) go to `part`; a second pass merges the chunks with log-sum-exp weights.
 Each work item allocates its few small tiles (np.empty, ~10 KB) rather than taking slices of one
-preallocated per-thread buffer: that variant measured 5-10 % slower at depth 4096 (LLVM cannot tell
-views of one buffer apart, so the tile loops get alias checks), and no faster end to end.
+preallocated per-thread buffer: LLVM cannot tell views of one buffer apart, so the tile loops would get
+alias checks.
 f16 (the residual rows, f16 caches and every f16 block scale) is decoded with the hardware half ->
 float conversion (`fpext half`, vcvtph2ps on x86), which vectorizes; the cache itself is never
 dequantized to memory beyond one tile.
@@ -182,8 +180,7 @@ def _accum(px, vt, n, ax):
 
 @njit(cache=True, fastmath=_FM, inline="always")
 def _accum2(p0, p1, vt, n, a0, a1):
-    """_accum for two query rows at once: each V row is loaded once for both (SmolLM2, 24 rows x 32
-    keys, one thread, Zen 3: 2.0-2.1 us against 2.5-2.8 for one row at a time, eight keys a pass)."""
+    """_accum for two query rows at once: each V row is loaded once for both."""
     HD = a0.shape[0]
     r = 0
     while r + 4 <= n:
@@ -220,9 +217,7 @@ def _accum2(p0, p1, vt, n, a0, a1):
 # GEMM micro-tiles for the blocks of many query rows of a prefill (TB x G rows).  The
 # scores are computed transposed, sT[r, x] = K[r] . q[x] (4 keys x 24 / 16 / 8 rows a call), and the
 # output as acc[x, :] += sum_r sT[r, x] V[r, :] (4 rows x 16 columns a call), each with its outputs in
-# registers (simd.gemm_tile).  SmolLM2 (24 rows x 32 keys x HD 64, one thread, Zen 3 avx2): scores + V
-# 2.2-2.4 us a tile against 4.8 for _scores3 / _accum2; a 512-token prefill's attention after 16 (2048)
-# tokens, f16 cache, 2 threads, old and new alternating in one process: 0.80 (0.71) of the time before.
+# registers (simd.gemm_tile), which is faster than _scores3 / _accum2 on these blocks.
 _S24 = gemm_tile(4, 24, False)
 _S16 = gemm_tile(4, 16, False)
 _S8 = gemm_tile(4, 8, False)
@@ -267,7 +262,7 @@ def _accum_mk(s, n, vt, acc, x0, Rp):
 @njit(cache=True, nogil=True, fastmath=_FM)
 def _deq(code, src, o0, rb, n, out):
     """blocks.deq_rows built once with this module's fast-math flags and called, not inlined, from
-    _item's eight tile sites: inlined there, its format switch made attend alone take 4 min to compile."""
+    _item's eight tile sites: inlined at each, its format switch made attend very slow to compile."""
     deq_rows(code, src, o0, rb, n, out)
 
 
@@ -276,8 +271,7 @@ def _quant_q16(qb, xq, xd):
     """The query rows qb (R, HD) as int16 blocks of 32 for kvdot's scores: xq = rint(qb / xd) with
     xd = amax / 32767 per block (xq with no columns: nothing to do).  16 bits, not llama.cpp's 8-bit
     q8_0 query: the int dot against the int8 keys is still exact, and the query's rounding (2**-16 of
-    its block's amax) moved test_attention's sharp-attention outputs by 1e-4 of their scale, where an
-    8-bit query moved them by 3e-2."""
+    its block's amax) moves sharp attention far less than an 8-bit query's."""
     for x in range(xq.shape[0]):
         for b in range(xq.shape[1] // 32):
             amax = np.float32(0.0)
@@ -315,7 +309,7 @@ def _item(q, kpool, vpool, kres, vres, ksink, vsink, page_table, n_past, ns_k, n
     kx (see attend): the pre-RoPE key transform (applied to every decoded K tile: sink, ring, pool),
     or no rows.  mt (a literal: one specialization each): the GEMM micro-tiles (_scores_mk / _accum_mk)
     may run, for >= 8 rows on float K and V tiles without a window (prefill); decode passes False, and
-    its specialization holds none of their code (with it, decode at depth 4096 measured 3-15 % slower)."""
+    its specialization holds none of their code (which slowed decode down)."""
     H, HD = q.shape[1], q.shape[2]
     KVH = kpool.shape[0]
     G = H // KVH
@@ -542,10 +536,10 @@ def item_cres(tys, mt):
 def _call_item(typingctx, fargs, mt):
     """_item(*fargs, mt): a call to _item's own compiled specialization by its symbol, the call Numba makes,
     without adding _item's code to the caller.  Numba links a callee's optimized module into every
-    caller and runs the optimizer and code generation over all of it again: attend spent ~35 s (of a
-    ~95 s cold attention compile, Zen 3) redoing both _item specializations, which LLVM had not inlined
-    (4 call sites in its module).  The JIT resolves the symbol because _item is compiled (or loaded)
-    first: here at attend's typing, and by _ItemsFirst when attend comes from the cache."""
+    caller and runs the optimizer and code generation over all of it again: attend's compile would redo
+    both _item specializations, which LLVM does not inline (4 call sites in its module).  The JIT
+    resolves the symbol because _item is compiled (or loaded) first: here at attend's typing, and by
+    _ItemsFirst when attend comes from the cache."""
     if not isinstance(mt, types.BooleanLiteral):
         raise errors.TypingError("_call_item: mt must be a literal bool")
     tys = tuple(types.unliteral(t) for t in fargs.types)

@@ -76,8 +76,8 @@ del _b, _h, _n, _f, _w
 
 # The nl tables are read only through these four functions, each with one signature (int64 indices): a
 # numba.cuda kernel gets its own copy of a module-level array in constant memory for every place in its
-# code that reads one, and with a read at each use the KV append kernel held 70 KB of copies, past the
-# GPU's 64 KiB (ptxas: "too much global constant data"; the CUDA simulator has no such limit).
+# code that reads one, and with a read at each use the KV append kernel's copies outgrew the GPU's 64 KiB
+# (ptxas: "too much global constant data"; the CUDA simulator has no such limit).
 @njit(cache=True)
 def nl_level(bits, i):
     """NL_TABLE[bits, i]: level i of the 2^bits-level codebook."""
@@ -132,7 +132,7 @@ def rd_f32(src, o):
 @njit(cache=True, inline="always")
 def opaque_bs(n):
     """32 for n >= 32, in a form LLVM cannot constant-fold: with a literal 32 some block loops get fully
-    unrolled and vectorized ACROSS blocks with gathers (3x slower) instead of along the block."""
+    unrolled and vectorized ACROSS blocks with gathers (much slower) instead of along the block."""
     nb = n // 32
     return n // nb if nb > 0 else 32
 

@@ -1,10 +1,9 @@
 """A decode step's work between two attentions in ONE parallel region (CPU).
 
-One token's layer is ~10 kernel calls; on two threads each parallel region costs ~3.5 us to start and a
-thread that finishes its static share of a small product waits for the other (Zen 3: a layer's four
-products took ~5 us a call more than one long product reading the same bytes).  `chain` runs, for one
-token, the tail of layer l and the head of layer l+1 as numbered work items that the threads claim in
-order from a shared counter:
+One token's layer is ~10 kernel calls; each parallel region costs microseconds to start, and a thread
+that finishes its static share of a small product waits for the others.  `chain` runs, for one token,
+the tail of layer l and the head of layer l+1 as numbered work items that the threads claim in order
+from a shared counter:
 
     stage 0  attn_out_act (+ its q8 blocks)          1 item
     stage 1  o = att @ wo                            one run of row tiles per thread
@@ -55,8 +54,8 @@ N_STAGES = 11
 SYNC = 8 * (1 + N_STAGES)
 _dot = dot_any_by(_ITILE_FMT, _KTILE_FMT, KOFF)
 # Constant arguments to functions that Model's separate calls run too go in as int64, not as literals: a
-# constant 0 would be typed Literal[int](0) and compile a second specialization of the callee (attention's
-# work item alone took ~25 s to compile again on a cold cache, Zen 3).
+# constant 0 would be typed Literal[int](0) and compile a second specialization of the callee (a long
+# compile again on a cold cache, for attention's work item).
 _I0 = np.int64(0)
 
 
@@ -302,7 +301,7 @@ class ChainArgsType(types.StructRef):
 
 class ChainArgs(structref.StructRefProxy):
     """chain's arrays (W, B, A, F, K: tuples, sync) and its attention (fn: an AttnFn) in one Numba
-    struct: a call unboxes one object (0.9 us) instead of ~60 arrays (4 us, 31 calls a token)."""
+    struct: a call unboxes one object instead of ~60 arrays."""
 
     def __new__(cls, W, B, A, F, K, fn, sync):
         return structref.StructRefProxy.__new__(cls, W, B, A, F, K, fn, sync)
@@ -314,7 +313,7 @@ structref.define_proxy(ChainArgs, ChainArgsType, ["W", "B", "A", "F", "K", "fn",
 @njit(cache=True)
 def _chain_args(W, B, A, F, K, fn, sync):
     """ChainArgs(...) through a cached constructor: the proxy's own (StructRefProxy.__new__) is compiled
-    in every process, ~3 s for these ~60 array fields."""
+    in every process, slowly for these ~60 array fields."""
     return ChainArgs(W, B, A, F, K, fn, sync)
 
 
@@ -327,8 +326,8 @@ class AttnFnType(types.StructRef):
 class AttnFn(structref.StructRefProxy):
     """_attn as a first-class function (field f: a FunctionType, a pointer to its compiled code).  chain
     calls stages 8-10 through it: called directly, every chain specialization (one per mix of weight
-    types) would link and compile its own copy of the attention (~40 s each, Zen 3); through the
-    pointer it is compiled once, for all of them."""
+    types) would link and compile its own copy of the attention; through the pointer it is compiled
+    once, for all of them."""
 
     def __new__(cls, f):
         return structref.StructRefProxy.__new__(cls, f)

@@ -4,8 +4,7 @@ numba's "numba:compile" event fires only on a real compile, never on a cache loa
 printed only when there is something to wait for.  install() once per process (the CLI does);
 compile_seconds() is the wall time spent in top-level compiles so far (with saving them to Numba's
 cache), plus the time spent loading compiled kernels from that cache (the first call of each kernel in a
-process: ~1 s in all for a warm `pykv run`, most of it Numba's one-time setup), which generate()
-subtracts from its tokens/s figures.
+process, most of it Numba's one-time setup), which generate() subtracts from its tokens/s figures.
 """
 import sys
 import threading
@@ -49,8 +48,8 @@ class _Note(_ev.Listener):
 def _timed(method):
     """A Cache method (load_overload, save_overload) with its wall time added to the compile total when
     it runs outside a compile (inside one it is already in that compile's time).  Numba saves a compiled
-    kernel to its cache after the compile event has ended: on a cold cache the first decode step spent
-    0.2 s there (Zen 3), which its tokens/s counted."""
+    kernel to its cache after the compile event has ended, so without this the first decode step's
+    tokens/s would count that save."""
     def timed(self, *args):
         with _lock:
             outer = _state["depth"] == 0

@@ -376,7 +376,7 @@ def _nl_index(v, bits):
 def nl_e8_floor(d):
     """The largest byte scale e in 1..255 with NL_E8[e] <= d (1 when d < NL_E8[1]): the lower of the two
     steps around d.  Float compares against the table only, so the CPU and a GPU pick the same e
-    (floor(8 * log2(d)) did this before; the two devices' log2 can differ in the last bit)."""
+    (not floor(8 * log2(d)): the two devices' log2 can differ in the last bit)."""
     lo = np.int64(1)
     hi = np.int64(256)
     while hi - lo > 1:                 # NL_E8[lo] <= d (or lo = 1), d < NL_E8[hi] (or hi = 256)

@@ -8,8 +8,8 @@ import os
 import numpy as np
 
 # numba-cuda registers an overload for np.row_stack, which NumPy 2.5 removed (an alias of np.vstack since
-# 2.0): without the alias every first kernel compile fails with AttributeError (seen on an H200 with numpy
-# 2.5.2).  Put the alias back before numba.cuda's array overloads load.
+# 2.0): without the alias every first kernel compile fails with AttributeError.  Put the alias back
+# before numba.cuda's array overloads load.
 if not hasattr(np, "row_stack"):
     np.row_stack = np.vstack
 
