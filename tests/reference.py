@@ -8,7 +8,7 @@ from gguf import GGMLQuantizationType as T
 from gguf import GGUFReader
 from gguf.quants import dequantize
 
-from pykv.evaluate import log_softmax
+from pykv.api.evaluate import log_softmax
 
 
 def tensor_f64(t) -> np.ndarray:
@@ -170,7 +170,7 @@ def quantize_f32(x, tt):
 
 
 def bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte -> printable unicode map (written here, independently of pykv.tokenizer's: the
+    """GPT-2's byte -> printable unicode map (written here, independently of pykv.files.tokenizer's: the
     tests' BPE encoder is an oracle for pykv's tokenizer)."""
     keep = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAC + 1)) + list(range(0xAE, 0xFF + 1))
     table, extra = {}, 0

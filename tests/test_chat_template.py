@@ -5,7 +5,7 @@ import json
 import pytest
 
 import pykv
-from pykv.chat import CHATML_TEMPLATE, completion_result, fit_messages, render, special_tokens
+from pykv.api.chat import CHATML_TEMPLATE, completion_result, fit_messages, render, special_tokens
 from tests.conftest import DATA
 
 REF = json.loads((DATA / "chat_template_ref.json").read_text(encoding="utf-8"))

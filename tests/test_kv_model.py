@@ -123,7 +123,7 @@ def kv_logprobs(smollm2_path, ref):
     """log p(next reference token) at each of the 1023 positions of the reference text (ctx 1024)
     through each KV type's cache: one model, one cache swap per type, float activations as
     `pykv perplexity` uses (only the KV cache differs between runs)."""
-    from pykv.evaluate import log_softmax
+    from pykv.api.evaluate import log_softmax
     ids = ref["text_ids"][:1024].astype(np.int64)
     m = pykv.load(smollm2_path, n_ctx=1024, q8_act=False)
     out = {}
@@ -151,8 +151,8 @@ def test_smollm2_kv_perplexity_change_vs_llamacpp(kv_logprobs, ref):
     pairing the runs token by token, d_t = (pykv_f16 - pykv_T)_t - (llama_f16 - llama_T)_t, and
     mean(d) = Δln ppl(pykv) - Δln ppl(llama.cpp). We allow mean(d) <= 2 standard errors of mean(d)
     (std(d) / sqrt(1023)). The standard error is computed, not chosen: 0.35 % for q8_0 (llama.cpp's 8-bit
-    activations make its two runs drift apart), 1.0-1.8 % for the 4-bit types. That is the README's
-    "±1 % is noise" made exact: pykv's iq4_nl change (+1.89 % in the README, +2.97 % on an AVX2 host:
+    activations make its two runs drift apart), 1.0-1.8 % for the 4-bit types. That is docs/kv-formats.md's
+    "±1 % is noise" made exact: pykv's iq4_nl change (+1.89 % in docs/kv-formats.md, +2.97 % on an AVX2 host:
     float rounding differs, and flips 4-bit levels) and llama.cpp's (+1.86 %) are equal within it, while
     a broken format is far outside it (an iq4_nl scale 25 % too large: +160 %). Smaller breaks of the
     types llama.cpp does poorly on are the budget test's (a q4_0 quantizer that truncates: +9.3 %, within

@@ -2,8 +2,8 @@
 import numpy as np
 import pytest
 
-from pykv.config import Config, PykvError
-from pykv.kv_cache import KVCache
+from pykv.files.config import Config, PykvError
+from pykv.kv.cache import KVCache
 
 CFG = Config(arch="llama", n_layers=2, dim=64, ff_dim=128, n_heads=2, n_kv_heads=1, rope_base=10000.0,
              rope_dims=32, norm_eps=1e-5, n_ctx_train=256, n_vocab=32)

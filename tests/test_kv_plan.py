@@ -7,7 +7,7 @@ import pytest
 from gguf import GGMLQuantizationType as T
 
 import pykv
-from pykv import kv_plan as KP
+from pykv.api import kv_plan as KP
 from pykv.cli import main
 from tests.reference import write_tiny_gguf
 
@@ -182,7 +182,7 @@ def test_cli_refuses_plan_with_wrong_layer_count(tiny_path, tmp_path, capsys):
 
 def test_sensitivity_probe_matches_full_run(tiny):
     """A probe that re-runs layers l.. from the saved residual stream gives the KL of a whole run."""
-    from pykv.evaluate import log_softmax
+    from pykv.api.evaluate import log_softmax
     pr = KP._Prober(tiny, IDS)
     kt = ["f16", "q4_0", "f16"]
     fast = pr.kl(kt, "f16", l0=1)

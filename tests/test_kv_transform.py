@@ -1,10 +1,10 @@
-"""The klt key transform (pykv.kv_transform, ops.key_xform): exact scores, the balanced map's moments,
+"""The klt key transform (pykv.kv.transform, ops.key_xform): exact scores, the balanced map's moments,
 the rotation it folds in, and on the real model lower KL than nl2 keys at the same bytes."""
 import numpy as np
 import pytest
 
-from pykv import formats as F
-from pykv import kv_transform as X
+from pykv.files import formats as F
+from pykv.kv import transform as X
 from pykv.kernels import ops
 
 
@@ -104,8 +104,8 @@ def test_layer_maps_fold_the_rotation():
 
 
 def test_klt_is_refused_for_values():
-    from pykv.config import Config, PykvError
-    from pykv.kv_cache import KVCache
+    from pykv.files.config import Config, PykvError
+    from pykv.kv.cache import KVCache
     cfg = Config(arch="llama", n_layers=2, dim=128, ff_dim=256, n_heads=2, n_kv_heads=1, rope_base=10000.0,
                  rope_dims=64, norm_eps=1e-5, n_ctx_train=64, n_vocab=10)
     with pytest.raises(PykvError, match="key type"):
@@ -118,7 +118,7 @@ def test_klt2_keys_beat_nl2_keys_on_smollm2(smollm2_path, eval_text):
     """Keys alone at 2.25 bits per value (values f16), the reference text's first 256 tokens: the
     calibrated klt2 keys lose less than nl2 keys with the rotation and smoothing (KL against f16)."""
     import pykv
-    from pykv.evaluate import log_softmax
+    from pykv.api.evaluate import log_softmax
     m = pykv.load(smollm2_path, n_ctx=256, q8_act=False)
     ids = m.tokenize(eval_text)[:256]
     base = log_softmax(m.forward(ids).astype(np.float64))

@@ -83,7 +83,7 @@ def test_models_keep_their_thread_counts(tmp_path):
         pytest.skip("needs 2 CPUs")
     path = write_tiny_gguf(tmp_path / "t.gguf", {"default": T.Q8_0}, dim=128, ff=256, n_kv=2)
     seen = {}
-    from pykv.model import Model
+    from pykv.api.model import Model
     real = Model._eval_batches
 
     def spy(self, *a, **k):
@@ -129,7 +129,7 @@ def test_blas_stays_single_threaded_through_a_prefill(monkeypatch):
         pytest.skip("needs a BLAS that threadpoolctl controls, and 2 CPUs")
     rng = np.random.default_rng(5)
     rows, cols = 2048, 4096
-    from tests.test_matmul import make_weight
+    from tests.kernels.test_matmul import make_weight
     raw = make_weight(T.Q8_0, rows, cols, rng)[0]
     w = M.prepare_weight(int(T.Q8_0), raw, rows, cols, q8_act=False)
     act = M.Act(cols, 32)
@@ -140,7 +140,7 @@ def test_blas_stays_single_threaded_through_a_prefill(monkeypatch):
     seen = []
     real = np.matmul
 
-    class NP:       # numpy as matmul.py sees it, with sgemm watched
+    class NP:       # numpy as the BLAS pool (kernels/mm_blas.py) sees it, with sgemm watched
         def __getattr__(self, k):
             return getattr(np, k)
 
@@ -150,7 +150,8 @@ def test_blas_stays_single_threaded_through_a_prefill(monkeypatch):
             if threading.get_ident() != main:
                 time.sleep(0.02)        # the other threads' items run long: the main thread ends first
             return real(a, b)
-    monkeypatch.setattr(M, "np", NP())
+    from pykv.kernels import mm_blas
+    monkeypatch.setattr(mm_blas, "np", NP())
     old = numba.get_num_threads()
     numba.set_num_threads(2)
     try:

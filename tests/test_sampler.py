@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from pykv.sampler import Sampler, SamplerParams
+from pykv.decoder.sampler import Sampler, SamplerParams
 
 
 def P(**kw):

@@ -10,8 +10,8 @@ import pytest
 from gguf import GGMLQuantizationType as T
 
 import pykv
-from pykv.chat import CHATML_TEMPLATE
-from pykv.session import Session
+from pykv.api.chat import CHATML_TEMPLATE
+from pykv.api.session import Session
 from tests.reference import write_tiny_gguf
 from tests.util import assert_clean_error, run_module
 
@@ -108,7 +108,7 @@ def test_forks_share_prefix_pages(lm):
 CHILD = textwrap.dedent("""
     import json, sys
     import pykv
-    from pykv.session import Session
+    from pykv.api.session import Session
     m = pykv.load(sys.argv[1], n_ctx=1024, q8_act=False)
     out = {}
     for kv, path in json.loads(sys.argv[2]).items():

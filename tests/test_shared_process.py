@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pykv import convert as C
+from pykv import tools as C
 
 from .reference import write_tiny_gguf
 

@@ -17,8 +17,8 @@ import time
 import numba
 import numpy as np
 
-from pykv.config import Config
-from pykv.kv_cache import KVCache
+from pykv.files.config import Config
+from pykv.kv.cache import KVCache
 
 
 def smol_config(n_layers=1):

@@ -15,8 +15,8 @@ Targets live in TARGETS; adding one is one function decorated with @target(name)
 Target (seed inputs, a mutator, a runner), or raises Skip with the reason it cannot run yet.
     gguf   model files: header counts, metadata keys / types / values / lengths, tensor infos (dims,
            types, offsets), NaN/inf/0/-1 floats, truncation, bit flips; runner: pykv.load + forward + generate
-    state  session state files (pykv.session.Session.save / Session.load(model, path)); skipped until
-           pykv.session exists
+    state  session state files (pykv.api.session.Session.save / Session.load(model, path)); skipped until
+           pykv.api.session exists
     http   request bodies for the HTTP server; skipped until pykv has one
 Case i of a run is a function of (--seed, i) alone: `--replay i` reruns one case in this process.
 """
@@ -514,15 +514,15 @@ def gguf_target(workdir: Path) -> Target:
 
 @target("state")
 def state_target(workdir: Path) -> Target:
-    """Session state files, against pykv.session's API: Session(model) ... .save(path) and
+    """Session state files, against pykv.api.session's API: Session(model) ... .save(path) and
     Session.load(model, path). Mutations: bytes (flips, truncation) and, where the module names its
     layout (_PREFIX, _CRC), the JSON header's fields with the checksums made right again, so a case
     gets past the checksum to the code that believes the header."""
     import importlib.util
-    if importlib.util.find_spec("pykv.session") is None:
-        raise Skip("pykv.session does not exist yet (the library issue adds Session.save / Session.load)")
+    if importlib.util.find_spec("pykv.api.session") is None:
+        raise Skip("pykv.api.session does not exist yet (the library issue adds Session.save / Session.load)")
     import pykv
-    from pykv import session as S
+    from pykv.api import session as S
     mpath = workdir / "model.gguf"
     if not mpath.exists():
         tiny_seed(mpath)
@@ -607,7 +607,7 @@ def http_target(workdir: Path) -> Target:
 # ---- worker and watchdog ------------------------------------------------------------------------------------
 
 def _classify(run: Callable[[str, object], None], path: str, option) -> tuple[str, str]:
-    from pykv.config import PykvError
+    from pykv.files.config import PykvError
     try:
         run(path, option)
         return "ok", ""

@@ -126,7 +126,7 @@ def finish_tests(job) -> bool:
 def greedy_check(path: str, n_gen: int) -> bool:
     import numpy as np
     import pykv
-    from pykv.sampler import Sampler, SamplerParams
+    from pykv.decoder.sampler import Sampler, SamplerParams
     prompt = [256, 72, 101, 108, 108, 111, 44, 32]
     res = {}
     for dev in ("cpu", "cuda"):
@@ -180,7 +180,7 @@ def copy_bandwidth(be, nbytes, reps):
 def attention_table(cfg_kw, tokens, seqs, kv_types, reps):
     import numpy as np
     from pykv.kernels.backend import get_backend
-    from pykv.kv_cache import KVCache
+    from pykv.kv.cache import KVCache
     be = get_backend("cuda")
     cfg = _config(cfg_kw, n_layers=1)
     H, KVH, HD = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
@@ -224,7 +224,7 @@ def attention_table(cfg_kw, tokens, seqs, kv_types, reps):
 def decode_speed(path, depths, n_tok, counter):
     import numpy as np
     import pykv
-    from pykv.sampler import Sampler, SamplerParams
+    from pykv.decoder.sampler import Sampler, SamplerParams
     m = pykv.load(path, n_ctx=max(depths) + n_tok + 8, device="cuda")
     rng = np.random.default_rng(1)
     s = Sampler(SamplerParams(temperature=0.0), m.n_vocab)
@@ -249,7 +249,7 @@ def decode_speed(path, depths, n_tok, counter):
 
 
 def _config(kw, n_layers=None):
-    from pykv.config import Config
+    from pykv.files.config import Config
     import dataclasses
     fields = {f.name for f in dataclasses.fields(Config)}
     hd = kw["dim"] // kw["n_heads"]

@@ -121,7 +121,7 @@ def make_imatrix(src: Path, work: Path) -> Path:
                 "-t", "2", "--no-ppl"])
     run([BIN / "llama-imatrix", "-m", src, "-f", TEXT, "-o", work / "imatrix.dat", "-c", "512", "--chunks", "8",
          "-t", "2", "--no-ppl", "--output-format", "dat"])
-    from pykv.quant_plan import read_imatrix
+    from pykv.tools.quant_plan import read_imatrix
     a, b = read_imatrix(out), read_imatrix(work / "imatrix.dat")
     same = sorted(a) == sorted(b) and all(np.allclose(a[k], b[k], rtol=1e-6) for k in a)
     print(f"llama-imatrix: {t:.1f} s, {len(a)} entries; GGUF and legacy .dat read alike: {same}")
@@ -138,12 +138,12 @@ def write_fixtures(src: Path, results: dict, imatrix: Path | None) -> None:
         key = f"{t.tensor_type.name}{'-imat' if res['target'].endswith('-imat') else ''}"
         arrays.setdefault(key, np.asarray(t.data)[:FIXTURE_ROWS].copy())
     if imatrix is not None:
-        from pykv.quant_plan import read_imatrix
+        from pykv.tools.quant_plan import read_imatrix
         arrays["qw"] = read_imatrix(imatrix)[FIXTURE_TENSOR]
         cut = DATA / "imatrix-smollm2-blk0.gguf"
         r = gguf.GGUFReader(imatrix)
         w = gguf.GGUFWriter(cut, "imatrix")   # adds general.architecture = imatrix; the rest is copied
-        from pykv.convert import _copy_field
+        from pykv.tools.common import _copy_field
         for k, f in r.fields.items():
             if not k.startswith("GGUF.") and k != "general.architecture":
                 _copy_field(w, k, f)

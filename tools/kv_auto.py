@@ -1,7 +1,7 @@
 """The automatic KV plan against uniform types, on the reference text at ctx 1024, calibrated on the
 built-in text (or --calib): ppl increase and KL vs the f16 cache per bits per value (everything stored
 counted: pool rows, scales, f16 sink rows and KIVI windows amortised over the context), with llama.cpp's
-uniform types from ../shared/reference. Writes JSON for tools/kv_plot.py and prints the README table.
+uniform types from ../shared/reference. Writes JSON for tools/kv_plot.py and prints the table of docs/kv-formats.md.
 
     python tools/kv_auto.py [--model PATH] [--bits 4.5,3,2.5] [--types ...] [--json-out kv_auto.json]
                             [--additivity]   # also the plans' measured KL on the calibration text
@@ -17,8 +17,8 @@ import sys
 import numpy as np
 
 import pykv
-from pykv import kv_plan as KP
-from pykv.evaluate import log_softmax
+from pykv.api import kv_plan as KP
+from pykv.api.evaluate import log_softmax
 
 UNIFORM = "q8_0,q5_1,q5_0,q4_1,q4_0,iq4_nl,nl4,int4,nl3,int2,nl2"
 

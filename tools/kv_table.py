@@ -1,5 +1,5 @@
 """Perplexity, KL divergence and top-1 agreement against the f16 cache for every KV type, on the
-reference text at ctx 1024 (SmolLM2 by default), as the README's markdown table.
+reference text at ctx 1024 (SmolLM2 by default), as the markdown table of docs/kv-formats.md.
 
     python tools/kv_table.py [--model PATH] [--ctx 1024] [--types q8_0,q4_0,nl3/f16] [--rotate flip]
                              [--prerope on|off|auto] [--smooth qk|std] [--window W] [--window-type f16|q8_0]
@@ -16,10 +16,10 @@ import sys
 import numpy as np
 
 import pykv
-from pykv.evaluate import log_softmax
-from pykv import kv_cache
-from pykv.formats import KV_FORMATS
-from pykv.kv_plan import bits_per_value, plan_bytes
+from pykv.api.evaluate import log_softmax
+from pykv.kv import cache as kv_cache
+from pykv.files.formats import KV_FORMATS
+from pykv.api.kv_plan import bits_per_value, plan_bytes
 
 LLAMACPP = {  # llama.cpp (llama-cpp-python 0.3.36) on the same text, from ../shared/reference
     "f16": 19.345, "q8_0": 19.316, "q4_0": 20.553, "q4_1": 20.479, "q5_0": 20.081, "iq4_nl": 19.705}

@@ -34,7 +34,7 @@ runpy.run_path({lcpp!r} + "/convert_hf_to_gguf.py", run_name="__main__")
 
 def metadata(path: Path) -> dict:
     sys.path.insert(0, str(ROOT))
-    from pykv.convert import gguf_metadata
+    from pykv.tools.common import gguf_metadata
     import gguf
     r = gguf.GGUFReader(path)
     md = {k: v for k, v in gguf_metadata(r).items() if k not in SKIP_GENERAL}

@@ -124,7 +124,7 @@ def main(argv=None) -> int:
     ap.add_argument("--env", action="append", default=[], help="K=V for the pykv runs (repeatable)")
     ap.add_argument("--json", default=None, help="write the results here")
     a = ap.parse_args(argv)
-    from pykv.bench import cpu_model
+    from pykv.tools.bench import cpu_model
     from pykv.kernels.tiles import ISA
     from pykv.models import resolve_model
     model = str(resolve_model(a.model))

@@ -6,7 +6,7 @@ Not run by CI (needs transformers; made with transformers 5.24.0, jinja2 3.1.6):
 The tokenizer comes from the GGUF itself (transformers' GGUF loading: AutoTokenizer.from_pretrained(dir,
 gguf_file=...)), so its chat_template and special tokens (bos/eos/unk/pad) are the file's. Rendered:
   "gguf"    the model's own tokenizer.chat_template (SmolLM2-135M-Instruct's ChatML with a default system turn)
-  "chatml"  pykv's fallback for files without a template (pykv.chat.CHATML_TEMPLATE)
+  "chatml"  pykv's fallback for files without a template (pykv.api.chat.CHATML_TEMPLATE)
   "tools"   a test template using bos_token, eos_token, tools | tojson, namespace, loop controls,
             raise_exception and indented block tags (trim_blocks / lstrip_blocks)
 each on multi-turn conversations with and without a system message, with and without
@@ -81,7 +81,7 @@ def main() -> int:
     import transformers
     from transformers import AutoTokenizer
 
-    from pykv.chat import CHATML_TEMPLATE
+    from pykv.api.chat import CHATML_TEMPLATE
     path = args.model
     if path is None:
         from pykv.models import resolve_model

@@ -129,7 +129,7 @@ def make(name: str, out: Path, vocab_size: int, tok_dir: Path) -> None:
 def check_export(name: str, out: Path, tmp: Path) -> None:
     """pykv convert (f32) -> pykv export (f32) -> transformers: logits against the reference."""
     from transformers import AutoModelForCausalLM
-    from pykv import convert as C
+    from pykv import tools as C
     d = out / name
     ref = np.load(d / "reference.npz")
     g = tmp / f"{name}.gguf"

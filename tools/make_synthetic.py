@@ -4,7 +4,7 @@
 
 SHAPE: llama-3.2-1b, llama-3.2-3b, llama-3.1-8b, tinyllama-1.1b (or `tiny`, a small shape for tests).
 --type: a plain type (f16, q8_0, q4_0, q4_k, q6_k, ...) or a llama-quantize mix (q4_k_m, q5_k_m, ...):
-each tensor gets the type llama-quantize would give it (pykv.quant_plan), filled with random valid blocks
+each tensor gets the type llama-quantize would give it (pykv.tools.quant_plan), filled with random valid blocks
 (sane scales, random quants) written straight to the file, so an 8B file needs no float copy and no
 quantizer.  The vocabulary has the shape's size and kind: GPT-2 byte-level BPE (the Llama 3 shapes) or
 SentencePiece (tinyllama), generated (256 byte tokens, then filler pieces), so prompts tokenize.
@@ -139,7 +139,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     import gguf
     from gguf import GGMLQuantizationType as T
-    from pykv.quant_plan import MIXES, plan_types
+    from pykv.tools.quant_plan import MIXES, plan_types
     if os.path.exists(a.out) and not a.force:
         raise SystemExit(f"make_synthetic: {a.out} exists (--force to replace it)")
     mix = MIXES.get(a.type.lower())

@@ -57,7 +57,7 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
-    from pykv.bench import cpu_model
+    from pykv.tools.bench import cpu_model
     from pykv.kernels.tiles import ISA
     n = (a.mib << 20) // 4 // CHUNK * CHUNK
     arr = np.ones(n, np.float32)

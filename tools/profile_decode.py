@@ -142,7 +142,7 @@ def main():
     model.eval(seq, np.arange(a.depth, dtype=np.int64) % model.n_vocab)
     for th in [int(s) for s in a.threads.split(",")]:
         numba.set_num_threads(th)
-        model.threads = th          # the model sets its count around each call (pykv.threads)
+        model.threads = th          # the model sets its count around each call (pykv.decoder.threads)
         decode(model, seq, 4, a.depth)                       # warm
         step()
         plain = min(step() for _ in range(3))

@@ -29,7 +29,7 @@ CPU_NAME = {"avx2": "haswell", "avxvnni": "alderlake", "avx512vnni": "sapphirera
 
 CHILD = r'''
 import json, sys, numpy as np, pykv
-from pykv.evaluate import perplexity
+from pykv.api.evaluate import perplexity
 from pykv.kernels.tiles import ISA
 model, out, n, ctx = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 text = open(sys.argv[5], encoding="utf-8").read()
@@ -47,8 +47,8 @@ json.dump(res, open(out + ".json", "w"))
 '''
 
 SEEDS_CHILD = r'''
-import sys, numpy as np, pykv, pykv.model as PM
-from pykv.evaluate import perplexity
+import sys, numpy as np, pykv, pykv.decoder.model as PM
+from pykv.api.evaluate import perplexity
 model, ctx, n_seeds, text = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 f = pykv.load(model, n_ctx=ctx + 8, q8_act=False, kv_rotate=False)
 ids = f.tokenize(open(text, encoding="utf-8").read())[:4 * ctx]

@@ -1,12 +1,12 @@
 """Numba kernels (CPU) and their numba.cuda twins (kernels/cuda).
 
 Importing this package points Numba's on-disk cache at a folder named by a hash of the kernel sources
-(every .py here, and pykv/formats.py whose constants the kernels compile in). Numba keys a cached
+(every .py here, and pykv/files/formats.py whose constants the kernels compile in). Numba keys a cached
 function on its own file only, so an edit to, or an upgrade of, a module it inlines (tiles.py, simd.py,
 blocks.py) would otherwise load stale machine code for matmul.py or attention.py without a word.
 Folder: $NUMBA_CACHE_DIR (if set) or $PYKV_CACHE or ~/.cache/pykv, then numba/<hash>.
 
-Processes share that folder (two `pykv run` at once, pytest-xdist workers, pykv.warm's compile
+Processes share that folder (two `pykv run` at once, pytest-xdist workers, pykv.tools.warm's compile
 helper), so its index files are read and written under a file lock (_locked below): Numba's own save
 picks a free data-file name, then writes index and data, with nothing to stop another process doing the
 same in between: two could both pick `f-1.nbc`, leaving an index that names one signature over the
@@ -38,7 +38,7 @@ except ImportError:         # not POSIX: Numba's unlocked behaviour
 def source_hash(here: str = "") -> str:
     """sha256 (16 hex digits) over the kernel sources' relative paths and bytes (here: this folder)."""
     here = here or os.path.dirname(os.path.abspath(__file__))
-    files = [os.path.join(os.path.dirname(here), "formats.py")]
+    files = [os.path.join(os.path.dirname(here), "files", "formats.py")]
     for root, dirs, names in os.walk(here):
         dirs[:] = sorted(d for d in dirs if d != "__pycache__")
         files += [os.path.join(root, n) for n in sorted(names) if n.endswith(".py")]
@@ -106,7 +106,7 @@ def _claim(fd: int, off: int):
     """Byte off of the claims file fd locked (F_SETLK, polled: a holder that stops does not stop us past
     CLAIM_WAIT_S) for the block; no lock where none can be taken.  A wait is compile time for
     kernels.jitnote (its note on stderr, and the tokens/s figures that exclude it)."""
-    from . import jitnote
+    from pykv.kernels import jitnote
     got = False
     t0 = time.perf_counter()
     tries = 0

@@ -49,12 +49,12 @@ from numba import errors, njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from ..formats import CODE_Q8_0
-from . import folder_lock
-from .blocks import deq_kivi_k_rows, deq_rows
-from .kvdot import UNIT, accum_q8_0_1, accum_q8_0_3, scores_q8_0_1, scores_q8_0_3
-from .ops import _fwht_vec, _rope_vec, exp_neg
-from .simd import bits_f32, gemm_tile, prefetch
+from pykv.files.formats import CODE_Q8_0
+from pykv.kernels import folder_lock
+from pykv.kernels.blocks import deq_kivi_k_rows, deq_rows
+from pykv.kernels.kvdot import UNIT, accum_q8_0_1, accum_q8_0_3, scores_q8_0_1, scores_q8_0_3
+from pykv.kernels.ops import _fwht_vec, _rope_vec, exp_neg
+from pykv.kernels.simd import bits_f32, gemm_tile, prefetch
 
 TILE = 32          # keys per segment (the f32 K and V tiles: TILE x HD floats each)
 PF_AHEAD = 2       # segments ahead whose pool rows are prefetched
@@ -625,7 +625,7 @@ class _ItemsFirst:
     attend calls them by symbol (_call_item), and a symbol the JIT cannot resolve is a crash, not an
     error (a fresh process that loads attend from the cache, without _item, segfaulted).
     A symbol names the process that compiled it (Numba's mangled names carry a per-process id): when
-    two processes compile one _item specialization at once (the compile helper of pykv.warm, the test
+    two processes compile one _item specialization at once (the compile helper of pykv.tools.warm, the test
     suite's two workers), the cache can keep one's _item and the other's attend, which calls names
     that no loaded _item defines (a segfault, reproduced in tests/test_attention.py).  So the cached
     attend is used only when every _item name its code calls is loaded; else it is compiled again here,

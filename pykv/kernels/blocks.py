@@ -29,10 +29,10 @@ kernels.simd.h2f (hardware half -> float, vectorizes).  Like every kernel here: 
 import numpy as np
 from numba import njit
 
-from ..formats import (CODE_BF16, CODE_F16, CODE_F32, CODE_FP8_E4M3, CODE_FP8_E5M2, CODE_INT2,
+from pykv.files.formats import (CODE_BF16, CODE_F16, CODE_F32, CODE_FP8_E4M3, CODE_FP8_E5M2, CODE_INT2,
                        CODE_INT4, CODE_IQ4_NL, CODE_Q4_0, CODE_Q4_1, CODE_Q5_0, CODE_Q5_1, CODE_Q8_0,
                        KV_FORMATS, N_CODES)
-from .simd import bits_f32, deq_q4_0, deq_q4_1, deq_q8_0, h2f
+from pykv.kernels.simd import bits_f32, deq_q4_0, deq_q4_1, deq_q8_0, h2f
 
 U = np.uint64
 KVALUES_IQ4NL = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113],

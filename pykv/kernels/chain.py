@@ -38,15 +38,16 @@ import numba
 from numba import literally, njit, prange, types
 from numba.experimental import structref
 
-from . import matmul as M
-from .matmul import _FM, _ITILE_FMT, _KTILE_FMT, _q8_row, _q8k_row
-from .attention import _item as _att_item
-from .attention import merge_row
-from .kvquant import _append_row
-from .ops import add_inplace, add_rmsnorm_act_row, attn_out_act_row, qkv_prep, rmsnorm_act_row, swiglu_act_row
-from .simd import prefetch
-from .sync import fetch_add, load_acquire, wait_until
-from .tiles import KTILE_ROWS, TILE_ROWS, dot_any_by
+from pykv.kernels import matmul as M
+from pykv.kernels.mm_raw import _FM, _q8_row, _q8k_row
+from pykv.kernels.matmul import _ITILE_FMT, _KTILE_FMT
+from pykv.kernels.attention import _item as _att_item
+from pykv.kernels.attention import merge_row
+from pykv.kernels.kvquant import _append_row
+from pykv.kernels.ops import add_inplace, add_rmsnorm_act_row, attn_out_act_row, qkv_prep, rmsnorm_act_row, swiglu_act_row
+from pykv.kernels.simd import prefetch
+from pykv.kernels.sync import fetch_add, load_acquire, wait_until
+from pykv.kernels.tiles import KTILE_ROWS, TILE_ROWS, dot_any_by
 
 KOFF = 100
 TAIL, HEAD, ATTN = 1, 2, 4  # mode bits: layer l's tail (stages 0-6), layer l+1's head (6-7), its attention (8-10)
@@ -352,7 +353,7 @@ _ATTN = [_attn]     # what attn_fn points chains at: _attn, or _attn_none inside
 
 @contextlib.contextmanager
 def attention_stand_in():
-    """Chains bound inside point at _attn_none: a compile helper (pykv.warm) compiles a model's chains
+    """Chains bound inside point at _attn_none: a compile helper (pykv.tools.warm) compiles a model's chains
     with it first, in idle mode (no attention run), and _attn after them.  The chains' compiled code is
     the same (the pointer's type, not its target, is in their signature), so the caller loads them, and
     _attn's callees that the caller compiles for its prompt meanwhile (kvquant.quantize_row,

@@ -21,7 +21,7 @@ def _say() -> None:
     """The one line on the stream, the first time (call with _lock held)."""
     if not _state["said"] and _state["stream"] is not None:
         _state["said"] = True
-        from .tiles import ISA
+        from pykv.kernels.tiles import ISA
         stream = sys.stderr if _state["stream"] == "stderr" else _state["stream"]
         try:            # a note: never a reason for a compile to fail (a stream closed since install)
             print(f"pykv: compiling kernels for this CPU ({ISA}); once, cached for later runs "
@@ -85,7 +85,7 @@ def compile_seconds() -> float:
 
 
 def add_seconds(seconds: float) -> None:
-    """Count `seconds` spent waiting for kernels compiled elsewhere (pykv.warm's helper) as compile time."""
+    """Count `seconds` spent waiting for kernels compiled elsewhere (pykv.tools.warm's helper) as compile time."""
     with _lock:
         _state["total"] += seconds
 

@@ -28,8 +28,8 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .simd import F32, I8, I16, I32, I64, _data, _fpext_half, _splat, _vec
-from .tiles import ISA, L, _arr, _call
+from pykv.kernels.simd import F32, I8, I16, I32, I64, _data, _fpext_half, _splat, _vec
+from pykv.kernels.tiles import ISA, L, _arr, _call
 
 UNIT = 64                 # key values per scores step (two q8_0 blocks): HD must be a multiple
 # int16 pair dots into int32 lanes, per class (vpmaddwd); None: generic vector IR

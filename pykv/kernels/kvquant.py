@@ -1,6 +1,6 @@
 """Numba kernels that quantize and dequantize ONE token head vector (a "row") of a KV cache.
 
-Every kernel dispatches on the integer format code of ``pykv.formats`` (``CODE_*``) and works on one
+Every kernel dispatches on the integer format code of ``pykv.files.formats`` (``CODE_*``) and works on one
 row in a ``uint8`` buffer:
 
     quantize_row(code, x f32[HD], dst u8[row_bytes])            once per token on append
@@ -11,7 +11,7 @@ row in a ``uint8`` buffer:
                                         @njit functions on the GPU: CUDA-compatible code only, see
                                         kernels/cuda/shared.py)
 
-The paged cache (pykv.kv_cache) appends through three kernels built on them:
+The paged cache (pykv.kv.cache) appends through three kernels built on them:
 
     append_rows(x f32[T, KVH, HD], pool, page_table, start, P, code)   tokens into their page slots
     write_residual(x, res, start, P, rcode)                             f16 rows (sinks, KIVI window)
@@ -63,11 +63,11 @@ import math
 import numpy as np
 from numba import njit, prange
 
-from ..formats import (CODE_BF16, CODE_F16, CODE_F32, CODE_FP8_E4M3, CODE_FP8_E5M2, CODE_INT2,
+from pykv.files.formats import (CODE_BF16, CODE_F16, CODE_F32, CODE_FP8_E4M3, CODE_FP8_E5M2, CODE_INT2,
                        CODE_INT4, CODE_IQ4_NL, CODE_Q4_0, CODE_Q4_1, CODE_Q5_0, CODE_Q5_1, CODE_Q8_0)
-from .blocks import IQ4NL_F, NL_BYTES, NL_SCALE, deq_rows, nl_e8, nl_level, nl_offset, nl_width, rd_f16
-from .ops import PAR_T
-from .simd import bits_f32, f32_bits, floorf, fmul_rn, h2f
+from pykv.kernels.blocks import IQ4NL_F, NL_BYTES, NL_SCALE, deq_rows, nl_e8, nl_level, nl_offset, nl_width, rd_f16
+from pykv.kernels.ops import PAR_T
+from pykv.kernels.simd import bits_f32, f32_bits, floorf, fmul_rn, h2f
 
 # ----------------------------------------------------------------------------------------------
 # bit casts and scalar helpers
@@ -705,7 +705,7 @@ def kivi_quantize_kpage(bits, xk, dst):
 
 
 # ----------------------------------------------------------------------------------------------
-# the paged cache (pykv.kv_cache): token rows into pages, the f16 residual rows, page flushes
+# the paged cache (pykv.kv.cache): token rows into pages, the f16 residual rows, page flushes
 # ----------------------------------------------------------------------------------------------
 
 @njit(cache=True, nogil=True, inline="always")

@@ -2,7 +2,7 @@
 import numpy as np
 from numba import njit, prange
 
-from .simd import bits_f32
+from pykv.kernels.simd import bits_f32
 
 
 # Row kernels split their tokens over the threads from this many on (prefill); fewer (a decode step) run
@@ -158,7 +158,7 @@ def qkv_prep(q, k, v, pos0, cos, sin, n_rot, do_rope, shift, scale, smooth, sign
 
 @njit(cache=True, nogil=True, fastmath=True)
 def key_xform(q, k, mk, mq, mu):
-    """klt key layers (pykv.kv_transform), after qkv_prep: k[t, g] = mk[g] @ (k[t, g] - mu[g]) and each
+    """klt key layers (pykv.kv.transform), after qkv_prep: k[t, g] = mk[g] @ (k[t, g] - mu[g]) and each
     query head of KV group g q = mq[g] @ q, in place (mq[g] = mk[g]^-T: q.k changes by a per-query
     constant).  q (T, H, HD), k (T, KVH, HD), mk, mq (KVH, HD, HD), mu (KVH, HD) f32."""
     T, H, HD = q.shape

@@ -26,8 +26,8 @@ from numba import njit, prange
 
 from gguf import GGMLQuantizationType as _GT
 
-from .kvquant import f32_to_f16_bits, wr_u16
-from .simd import f32_bits, h2f
+from pykv.kernels.kvquant import f32_to_f16_bits, wr_u16
+from pykv.kernels.simd import f32_bits, h2f
 
 QK_K = 256
 Q4_0, Q4_1, Q5_0, Q5_1 = int(_GT.Q4_0), int(_GT.Q4_1), int(_GT.Q5_0), int(_GT.Q5_1)

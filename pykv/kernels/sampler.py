@@ -1,5 +1,5 @@
 """CPU twin of kernels/cuda/sampler.py: one token from a logits row of this backend (the reference
-sampler, pykv.sampler.Sampler, on host logits)."""
+sampler, pykv.decoder.sampler.Sampler, on host logits)."""
 import numpy as np
 
 

@@ -32,8 +32,8 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .blocks import KVALUES_IQ4NL
-from .simd import F32, I8, I16, I32, I64, _data, _fpext_half, _prefetch, _splat, _vec
+from pykv.kernels.blocks import KVALUES_IQ4NL
+from pykv.kernels.simd import F32, I8, I16, I32, I64, _data, _fpext_half, _prefetch, _splat, _vec
 
 ISA_CLASSES = ("generic", "avx2", "avxvnni", "avx512vnni")
 
@@ -192,11 +192,9 @@ def _lut16(builder, idx, table):
     return out
 
 
-# Prefill: a tile call for nt tokens unpacks each weight vector once for a group of tokens where that is
-# measured to pay (the unpacking costs more than the dot: Zen 3, avx2, 1 thread, 480 tokens through one
-# matrix, x1 -> x4 ms: Q4_0 12.4 -> 10.1, Q5_0 15 -> 10, Q5_1 16.0 -> 12.8, Q6_K 22 -> 16, Q2_K 13 -> 9,
-# Q3_K 19 -> 13); other formats and classes run the tokens one after another inside the call (Q8_0 and
-# Q4_1 on avx2 are slower or no faster in groups; the AVX-512 class measured slower in groups).
+# Prefill: a tile call for nt tokens unpacks each weight vector once for a group of tokens where that was
+# measured to pay (avx2, where the unpacking costs more than the dot; docs/code-notes.md); other formats
+# and classes run the tokens one after another inside the call.
 TOKEN_BLOCK = {"avx2": ("q40", "q50", "q5", "q2k", "q3k", "q5k", "q6k")}.get(ISA, ())
 
 
@@ -399,12 +397,9 @@ def dot_tile_by(fmts, nt=1):
 
 KBYTES = {"q2k": 84, "q3k": 114, "q4k": 148, "q5k": 180, "q6k": 210}
 PF_LOCALITY = 0    # weights are read once per token: non-temporal prefetches
-# Software prefetch of the weight stream helps where the hardware prefetcher lags (AVX2 Zen 3: 1 thread
-# Q4_K 6.2 -> 9.1 GB/s, Q6_K 3.0 -> 4.3) and hurts on the AVX-512 VNNI class's cores (Zen 4, 2 threads,
-# decode at depth 16 without / with it: Q4_0 4.78 / 5.42, Q4_1 5.0-5.5 / 5.8-5.9, Q4_K_M 6.2-6.8 / 7.7-8.3,
-# Q6_K 7.7-8.0 / 8.2-8.3 ms a token), so that class leaves it to the hardware.  K tiles: 8 super-blocks
-# ahead (Zen 3, 2 threads, the Q6_K file's ffn_down in a decode token: 4 ahead 40-46 us a call, 8 ahead
-# 34.5-36, 16 ahead 41.5; Q4/Q5/Q8 tiles at 8192 bytes ahead instead of 4096: no clear change).
+# Software prefetch of the weight stream helps where the hardware prefetcher lags (the avx2 class) and
+# hurts on the AVX-512 VNNI class's cores, so that class leaves it to the hardware; K tiles prefetch 8
+# super-blocks ahead (the measurements: docs/code-notes.md).
 _PF = ISA != "avx512vnni"
 PF_BYTES = 4096 if _PF else 0    # bytes ahead a Q4 / Q5 / Q8 tile prefetches its weights (0: none)
 KPF_AHEAD = 8 if _PF else 0      # super-blocks ahead a K tile prefetches (0: none)
@@ -599,8 +594,7 @@ def f16_bits(b2):
 
 def lanes(q):
     """(..., w) uint8 with a contiguous last axis (w % 4 == 0) -> (..., w // 4) little-endian uint32: a
-    view, so the repacks' transposing copies move 4-byte lanes, not single bytes (SmolLM2 Q4_1's
-    211 matrices: 0.40-0.46 -> 0.04-0.11 s at load, Zen 3)."""
+    view, so the repacks' transposing copies move 4-byte lanes, not single bytes (ten times faster)."""
     return q.view(np.dtype("<u4"))
 
 

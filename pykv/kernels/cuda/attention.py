@@ -38,10 +38,10 @@ import math
 import numpy as np
 from numba import cuda, float32, njit
 
-from ...config import PykvError
-from ..blocks import deq_kivi_k_unit, deq_unit
-from ..kvquant import row_units
-from .shared import SIM, dev
+from pykv.files.config import PykvError
+from pykv.kernels.blocks import deq_kivi_k_unit, deq_unit
+from pykv.kernels.kvquant import row_units
+from pykv.kernels.cuda.shared import SIM, dev
 
 TILE = 16         # keys per tile (K and V decoded once into shared memory for all query rows)
 HDMAX = 128       # largest head_dim the shared tiles hold

@@ -12,9 +12,9 @@ quantizers keep products that feed an add unfused with simd.fmul_rn, since NVVM 
 """
 from numba import cuda
 
-from ..blocks import deq_unit
-from ..kvquant import kivi_kpage_group, quantize_block, row_units
-from .shared import SIM, blocks_for, dev
+from pykv.kernels.blocks import deq_unit
+from pykv.kernels.kvquant import kivi_kpage_group, quantize_block, row_units
+from pykv.kernels.cuda.shared import SIM, blocks_for, dev
 
 TPB = 32 if SIM else 128      # threads per block (the simulator runs each thread as a Python thread)
 

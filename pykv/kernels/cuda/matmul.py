@@ -10,7 +10,7 @@ block, a tile of TT tokens per block (each weight element is decoded once per TT
 elements l, l + 32, ... (the 32 lanes of a warp read one 32-block together), float32 accumulators, a warp
 sum (shuffles on a GPU; under the simulator 2 lanes and 16 rows per block, summed in shared memory).
 
-Element decoders: one scalar function per format, w_elem(kind, raw, fw, r, e). The K-quant scale and
+Element decoders: one scalar function per format, _w_elem(kind, raw, fw, r, e). The K-quant scale and
 quant helpers are the CPU module's own (_q3k_scale, _q23k_q, _k_scale_min), compiled again for the
 device from their Python source (a CUDA kernel cannot call a CPU @njit function)."""
 from __future__ import annotations
@@ -21,10 +21,11 @@ import math
 import numpy as np
 from numba import cuda
 
-from .. import matmul as _cpu
-from ..blocks import IQ4NL_F
-from ..matmul import BF16, F16, F32, IQ4_NL, Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q8_0, SUPPORTED_TYPES
-from . import SIM, WL, grid, warp_sums
+from pykv.kernels import matmul as _cpu
+from pykv.kernels import mm_raw as _raw
+from pykv.kernels.blocks import IQ4NL_F
+from pykv.kernels.mm_raw import BF16, F16, F32, IQ4_NL, Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q8_0, SUPPORTED_TYPES
+from pykv.kernels.cuda import SIM, WL, grid, warp_sums
 
 __all__ = ["Weight", "Act", "prepare_weight", "matmul", "matmul_fused", "fuse", "bind", "get_rows", "SUPPORTED_TYPES"]
 
@@ -35,15 +36,15 @@ _SH = (NW, TT, WL) if SIM else (1, 1, 1)    # warp-sum scratch: only the simulat
 f32 = np.float32
 
 _dev = cuda.jit(device=True, inline=True)
-_q3k_scale = _dev(_cpu._q3k_scale.py_func)
-_q23k_q = _dev(_cpu._q23k_q.py_func)
-_k_scale_min = _dev(_cpu._k_scale_min.py_func)
+_q3k_scale = _dev(_raw._q3k_scale.py_func)
+_q23k_q = _dev(_raw._q23k_q.py_func)
+_k_scale_min = _dev(_raw._k_scale_min.py_func)
 
 _POW2 = np.array([2.0 ** (e - 25) for e in range(32)], np.float32)   # f16 exponent e -> 2^(e-25)
 
 
 @cuda.jit(device=True, inline=True)
-def h2f(h):
+def _h2f(h):
     """IEEE half bits (int) -> float32, exact (subnormals, inf, NaN)."""
     h = np.int32(h)
     e = (h >> 10) & 31
@@ -58,12 +59,12 @@ def h2f(h):
 
 
 @cuda.jit(device=True, inline=True)
-def rd_f16(w, o):
-    return h2f(np.int32(w[o]) | (np.int32(w[o + 1]) << 8))
+def _rd_f16(w, o):
+    return _h2f(np.int32(w[o]) | (np.int32(w[o + 1]) << 8))
 
 
 @cuda.jit(device=True, inline=True)
-def w_elem(kind, raw, fw, r, e):
+def _w_elem(kind, raw, fw, r, e):
     """Element e of weight row r as float32 (same float32 operations as the CPU's _deq_row)."""
     if kind == F32 or kind == F16 or kind == BF16:
         return f32(fw[r, e])
@@ -72,36 +73,36 @@ def w_elem(kind, raw, fw, r, e):
     j = e & 31
     if kind == Q8_0:
         o = 34 * b
-        return rd_f16(w, o) * f32(np.int8(w[o + 2 + j]))
+        return _rd_f16(w, o) * f32(np.int8(w[o + 2 + j]))
     if kind == Q4_0 or kind == Q4_1:
         asym = kind == Q4_1
         o = 20 * b if asym else 18 * b
         q = (np.int32(w[o + (4 if asym else 2) + (j & 15)]) >> (4 * (j >> 4))) & 15
         if asym:
-            return rd_f16(w, o) * f32(q) + rd_f16(w, o + 2)
-        return rd_f16(w, o) * f32(q - 8)
+            return _rd_f16(w, o) * f32(q) + _rd_f16(w, o + 2)
+        return _rd_f16(w, o) * f32(q - 8)
     if kind == IQ4_NL:
         o = 18 * b
-        return rd_f16(w, o) * IQ4NL_F[(np.int32(w[o + 2 + (j & 15)]) >> (4 * (j >> 4))) & 15]
+        return _rd_f16(w, o) * IQ4NL_F[(np.int32(w[o + 2 + (j & 15)]) >> (4 * (j >> 4))) & 15]
     if kind == Q5_0 or kind == Q5_1:
         asym = kind == Q5_1
         o = 24 * b if asym else 22 * b
         h = o + 4 if asym else o + 2
         q = ((np.int32(w[h + 4 + (j & 15)]) >> (4 * (j >> 4))) & 15) | (((np.int32(w[h + (j >> 3)]) >> (j & 7)) & 1) << 4)
         if asym:
-            return rd_f16(w, o) * f32(q) + rd_f16(w, o + 2)
-        return rd_f16(w, o) * f32(q - 16)
+            return _rd_f16(w, o) * f32(q) + _rd_f16(w, o + 2)
+        return _rd_f16(w, o) * f32(q - 16)
     bk = e >> 8
     ee = e & 255
     if kind == Q2_K:
         o = 84 * bk
         sc = np.int32(w[o + (ee >> 4)])
-        dl = rd_f16(w, o + 80) * f32(sc & 15)
-        ml = rd_f16(w, o + 82) * f32(sc >> 4)
+        dl = _rd_f16(w, o + 80) * f32(sc & 15)
+        ml = _rd_f16(w, o + 82) * f32(sc >> 4)
         return dl * f32(_q23k_q(Q2_K, w, o, ee)) - ml
     if kind == Q3_K:
         o = 110 * bk
-        dl = rd_f16(w, o + 108) * f32(_q3k_scale(w, o + 96, ee >> 4))
+        dl = _rd_f16(w, o + 108) * f32(_q3k_scale(w, o + 96, ee >> 4))
         return dl * f32(_q23k_q(Q3_K, w, o, ee))
     if kind == Q4_K or kind == Q5_K:
         o = (144 if kind == Q4_K else 176) * bk
@@ -109,8 +110,8 @@ def w_elem(kind, raw, fw, r, e):
         s = ee >> 5
         l = ee & 31
         sc, mn = _k_scale_min(w, o + 4, s)
-        ds = rd_f16(w, o) * f32(sc)
-        dm = rd_f16(w, o + 2) * f32(mn)
+        ds = _rd_f16(w, o) * f32(sc)
+        dm = _rd_f16(w, o + 2) * f32(mn)
         q = (np.int32(w[o + qo + 32 * (s >> 1) + l]) >> (4 * (s & 1))) & 15
         if kind == Q5_K:
             q |= ((np.int32(w[o + 16 + l]) >> s) & 1) << 4
@@ -123,14 +124,14 @@ def w_elem(kind, raw, fw, r, e):
     lo = (np.int32(w[o + 64 * h + 32 * (k & 1) + l]) >> (4 * (k >> 1))) & 15
     hi = (np.int32(w[o + 128 + 32 * h + l]) >> (2 * k)) & 3
     sc = f32(np.int8(w[o + 192 + (ee >> 4)]))
-    return (rd_f16(w, o + 208) * sc) * f32((lo | (hi << 4)) - 32)
+    return (_rd_f16(w, o + 208) * sc) * f32((lo | (hi << 4)) - 32)
 
 
 @cuda.jit(device=True, inline=True)
 def _row_dot(kind, raw, fw, r, x, t0, nt, lane, acc):
     # acc[i] += W[r, lane::WL] . x[t0 + i, lane::WL] for i < nt
     for e in range(lane, x.shape[1], WL):
-        wv = w_elem(kind, raw, fw, r, e)
+        wv = _w_elem(kind, raw, fw, r, e)
         for i in range(nt):
             acc[i] += wv * x[t0 + i, e]
 
@@ -172,7 +173,7 @@ def _get_rows_kernel(kind, raw, fw, ids, out):
     i = cuda.blockIdx.x
     e = cuda.blockIdx.y * cuda.blockDim.x + cuda.threadIdx.x
     if e < out.shape[1]:
-        out[i, e] = w_elem(kind, raw, fw, ids[i], e)
+        out[i, e] = _w_elem(kind, raw, fw, ids[i], e)
 
 
 @cuda.jit
@@ -247,7 +248,7 @@ class Act:
         cols, max_tokens = int(cols), int(max_tokens)
         if cols <= 0 or max_tokens <= 0:
             raise ValueError(f"Act: cols and max_tokens must be positive, got {cols}, {max_tokens}")
-        from .ops import fill_zero
+        from pykv.kernels.cuda.ops import fill_zero
         self.cols, self.max_tokens, self.T = cols, max_tokens, 0
         nb = cols // 32 if cols % 32 == 0 else 0
         self.x = cuda.device_array((max_tokens, cols), np.float32)

@@ -7,7 +7,7 @@ import math
 import numpy as np
 from numba import cuda
 
-from . import SIM, block_sum, grid
+from pykv.kernels.cuda import SIM, block_sum, grid
 
 HDMAX = 256     # largest head_dim the shared-memory vector kernels take
 NT = 32 if SIM else 128     # threads of the row kernels (a power of two, a multiple of 32)
@@ -210,6 +210,44 @@ def qkv_prep(q, k, v, pos0, cos, sin, n_rot, do_rope, shift, scale, smooth, sign
     _check_hd(HD)
     _qkv_prep_kernel[(T, k.shape[1]), HD](q, k, v, int(pos0), cos, sin, int(n_rot), bool(do_rope), shift, scale,
                                           bool(smooth), sign, bool(rotate), f32(qmul))
+
+
+@cuda.jit
+def _key_xform_kernel(q, k, mk, mq, mu):
+    # block (t, g): thread i computes element i of the group's key, then of each of its query heads
+    t, g = cuda.blockIdx.x, cuda.blockIdx.y
+    i = cuda.threadIdx.x
+    HD = k.shape[2]
+    G = q.shape[1] // k.shape[1]
+    tmp = cuda.shared.array(HDMAX, np.float32)
+    if i < HD:
+        tmp[i] = k[t, g, i] - mu[g, i]
+    cuda.syncthreads()
+    if i < HD:
+        acc = f32(0.0)
+        for j in range(HD):
+            acc += mk[g, i, j] * tmp[j]
+        k[t, g, i] = acc
+    for gi in range(G):
+        h = g * G + gi
+        cuda.syncthreads()
+        if i < HD:
+            tmp[i] = q[t, h, i]
+        cuda.syncthreads()
+        if i < HD:
+            acc = f32(0.0)
+            for j in range(HD):
+                acc += mq[g, i, j] * tmp[j]
+            q[t, h, i] = acc
+
+
+def key_xform(q, k, mk, mq, mu) -> None:
+    """klt key layers: k[t, g] = mk[g] @ (k[t, g] - mu[g]), each query head of group g q = mq[g] @ q, in
+    place.  q (T, H, HD), k (T, KVH, HD), mk, mq (KVH, HD, HD), mu (KVH, HD) f32."""
+    T, KVH, HD = k.shape
+    _check_hd(HD)
+    if T:
+        _key_xform_kernel[(T, KVH), HD](q, k, mk, mq, mu)
 
 
 @cuda.jit

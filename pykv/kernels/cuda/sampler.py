@@ -1,6 +1,6 @@
 """Device sampling: a token id from a logits row that stays on the GPU (only the id comes down).
 
-pick(logits, sampler, history, u) gives the same id as the reference pykv.sampler.Sampler.pick with the
+pick(logits, sampler, history, u) gives the same id as the reference pykv.decoder.sampler.Sampler.pick with the
 same uniform draw u: repetition penalty (the history's distinct recent ids go up, only when a penalty is
 set), then greedy (first maximal logit, NaN never picked) or top-k -> top-p -> min-p -> temperature, in
 float64 like the CPU. Top-k runs as K block-wide argmax passes over the row in one single-block launch,
@@ -11,7 +11,7 @@ import math
 import numpy as np
 from numba import cuda
 
-from . import SIM
+from pykv.kernels.cuda import SIM
 
 KMAX = 256
 NT = 32 if SIM else 256     # threads of the one sampling block (the simulator's barriers are slow)
@@ -145,9 +145,8 @@ def pick(logits, sampler, history, u: float) -> int:
     else:
         K = int(p.top_k)
         if not 0 < K <= min(KMAX, V - 1):      # the whole row is a candidate: the CPU sampler picks
-            from ...sampler import SamplerParams
             host = logits.copy_to_host()
-            params = SamplerParams(**{**p.__dict__, "repeat_penalty": 1.0})
+            params = type(p)(**{**p.__dict__, "repeat_penalty": 1.0})
             return type(sampler)(params, V).pick(host, history, u)
     b = _bufs(V)
     _sample_kernel[1, NT](logits, b["work"], K, np.float64(p.temperature), np.float64(p.top_p),
