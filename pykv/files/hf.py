@@ -1,6 +1,7 @@
 """Hugging Face checkpoint I/O without torch/transformers.
 
-* safetensors read (lazy, memory-mapped; f32/f16/bf16/...) and write
+* safetensors read (lazy, memory-mapped; f32/f16/bf16/...: the library's numpy API refuses bfloat16,
+  the dtype LLaMA checkpoints ship in) and write (through the safetensors library)
 * config.json / tokenizer.json / tokenizer_config.json helpers
 * a minimal protobuf codec for SentencePiece ``tokenizer.model`` files
   (written by ``pykv export``; the ``protobuf`` package is not needed)
@@ -93,29 +94,33 @@ class SafetensorsFile:
         return arr
 
 
+_ST_NAMES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
+             "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
+
+
 def write_safetensors(path: str | Path, tensors: dict[str, np.ndarray],
                       metadata: dict[str, str] | None = None,
                       dtypes: dict[str, str] | None = None) -> None:
-    """Write a safetensors file. ``dtypes`` may name "BF16" for uint16 arrays
-    holding bfloat16 bit patterns."""
-    header: dict[str, Any] = {"__metadata__": dict(metadata or {"format": "pt"})}
-    off = 0
-    arrays = []
+    """Write a safetensors file through the safetensors library (its low-level serialize_file: the numpy
+    API has no bfloat16). ``dtypes`` may name "BF16" for uint16 arrays holding bfloat16 bit patterns."""
+    try:
+        import safetensors
+    except ImportError:
+        raise SafetensorsError("writing safetensors needs the safetensors package: pip install safetensors") from None
+    spec = getattr(safetensors, "TensorSpec", None)     # 0.6+: zero-copy specs; before: dicts with bytes
+    flat, keep = {}, []
     for name, arr in tensors.items():
-        arr = np.ascontiguousarray(arr)
+        arr = np.ascontiguousarray(arr).astype(np.asarray(arr).dtype.newbyteorder("<"), copy=False)
         st = (dtypes or {}).get(name) or _NP_TO_ST.get(arr.dtype)
-        if st is None:
+        if st is None or st not in _ST_NAMES:
             raise SafetensorsError(f"cannot store dtype {arr.dtype} for {name}")
-        header[name] = {"dtype": st, "shape": list(arr.shape), "data_offsets": [off, off + arr.nbytes]}
-        off += arr.nbytes
-        arrays.append(arr)
-    hb = json.dumps(header, separators=(",", ":")).encode("utf-8")
-    hb += b" " * ((8 - len(hb) % 8) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(hb)))
-        f.write(hb)
-        for arr in arrays:
-            f.write(arr.tobytes())
+        keep.append(arr)
+        if spec is not None:
+            flat[name] = spec(dtype=_ST_NAMES[st], shape=arr.shape, data_ptr=arr.ctypes.data, data_len=arr.nbytes)
+        else:
+            flat[name] = {"dtype": _ST_NAMES[st], "shape": list(arr.shape), "data": arr.tobytes()}
+    safetensors.serialize_file(flat, str(path), metadata=dict(metadata or {"format": "pt"}))
+    del keep
 
 
 class HFCheckpoint:
