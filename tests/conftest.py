@@ -12,7 +12,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     # keep a core from the other process; passive waiting costs a little per region, no test times it
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-# no compile helper process (pykv.tools.warm) behind the CLI tests' runs: tests/test_warm.py asks for one
+# no compile helper process (pykv.tools.warm) behind the CLI tests' runs: tests/cli/test_warm.py asks for one
 os.environ.setdefault("PYKV_COMPILE_HELPER", "0")
 
 from pathlib import Path

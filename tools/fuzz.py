@@ -8,7 +8,7 @@ workers; the parent is the watchdog). A case FAILS when it
   allocates      a tracemalloc peak above the seed's peak plus ALLOC_PER_BYTE x the input's size
                  (a length field believed before it was checked against the file).
 A case that raises a PykvError or runs to the end passes. Failing inputs are written to --save
-(default tests/data/fuzz/) under a name made of their hash; tests/test_fuzz.py replays every file
+(default tests/data/fuzz/) under a name made of their hash; tests/files/test_fuzz.py replays every file
 there and expects a clean PykvError. Exit status: 0 when no case failed, 1 otherwise.
 
 Targets live in TARGETS; adding one is one function decorated with @target(name) that returns a

@@ -97,7 +97,7 @@ def start_tests(tiny: bool):
     (NVVM, CPU-bound, on other cores) while step 2 runs, and end before the timed steps 3 and 4."""
     env = dict(os.environ)
     if tiny:     # the simulator: one short file stands for the suite (the CI runs all of it)
-        args = ["tests/test_cuda_ops.py", "-k", "fill_zero or rope"]
+        args = ["tests/cuda/test_cuda_ops.py", "-k", "fill_zero or rope"]
     else:
         env["PYKV_REAL_GPU"] = "1"
         env.pop("NUMBA_ENABLE_CUDASIM", None)

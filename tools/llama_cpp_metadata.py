@@ -1,5 +1,5 @@
 """Run llama.cpp's own convert_hf_to_gguf.py on the HF fixtures and write the metadata it produces to
-tests/data/llama_cpp_convert_metadata.json (the expectation tests/test_hf_fixtures.py checks pykv's GGUFs
+tests/data/llama_cpp_convert_metadata.json (the expectation tests/files/test_hf_fixtures.py checks pykv's GGUFs
 against, without running llama.cpp in CI). Not run by CI; needs torch and llama.cpp's sources:
     python tools/llama_cpp_metadata.py [--llama-cpp /work/llama.cpp]
 

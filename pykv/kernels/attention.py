@@ -627,7 +627,7 @@ class _ItemsFirst:
     A symbol names the process that compiled it (Numba's mangled names carry a per-process id): when
     two processes compile one _item specialization at once (the compile helper of pykv.tools.warm, the test
     suite's two workers), the cache can keep one's _item and the other's attend, which calls names
-    that no loaded _item defines (a segfault, reproduced in tests/test_attention.py).  So the cached
+    that no loaded _item defines (a segfault, reproduced in tests/kernels/test_attention.py).  So the cached
     attend is used only when every _item name its code calls is loaded; else it is compiled again here,
     against the loaded _item, and saved over the stale entry."""
 

@@ -95,7 +95,7 @@ ERRORS = {
     "quantize-dir": (["quantize", "DIR", "OUT", "q8_0"], "is a directory"),
     "quantize-out-dir": (["quantize", "M", "DIR", "q8_0"], "is a directory"),
     "quantize-dir-imatrix": (["quantize", "M", "OUT", "q4_k_m", "--imatrix", "DIR"], "DIR"),
-    # unknown device (and cuda where no GPU is: tests/test_cuda_model.py)
+    # unknown device (and cuda where no GPU is: tests/cuda/test_cuda_model.py)
     "run-device": (["run", "M", "hi", "--device", "tpu", "-n", "1", "-c", "256"], "unknown device 'tpu'"),
     "perplexity-device": (["perplexity", "M", "TXT", "--device", "tpu", "-c", "256"], "unknown device 'tpu'"),
     "bench-device": (["bench", "M", "--device", "tpu", "-r", "1"], "unknown device 'tpu'"),

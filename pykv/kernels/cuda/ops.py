@@ -25,7 +25,7 @@ def _fill_zero_kernel(a):
 def fill_zero(a) -> None:
     """a[...] = 0 (any shape, contiguous).  Under the simulator the zeros are copied from the host: it
     runs a kernel's every thread as a Python thread, and zeroing the scratch and cache arrays that way
-    took most of the CUDA tests' time (tests/test_cuda_ops.py runs the kernel itself there)."""
+    took most of the CUDA tests' time (tests/cuda/test_cuda_ops.py runs the kernel itself there)."""
     flat = a.reshape(a.size)
     if not a.size:
         return
