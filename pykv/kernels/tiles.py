@@ -397,12 +397,13 @@ def dot_tile_by(fmts, nt=1):
 
 KBYTES = {"q2k": 84, "q3k": 114, "q4k": 148, "q5k": 180, "q6k": 210}
 PF_LOCALITY = 0    # weights are read once per token: non-temporal prefetches
-# Software prefetch of the weight stream helps where the hardware prefetcher lags (the avx2 class) and
-# hurts on the AVX-512 VNNI class's cores, so that class leaves it to the hardware; K tiles prefetch 8
-# super-blocks ahead (the measurements: docs/code-notes.md).
+# Software prefetch of the weight stream helps where the hardware prefetcher lags (the avx2 class).  On
+# the AVX-512 VNNI class the Q4 / Q5 / Q8 tiles leave it to the hardware (prefetching measured slower),
+# and the K tiles prefetch 2 super-blocks ahead (8 ahead measured slower; 2 ahead streams faster: the
+# measurements are in docs/code-notes.md and docs/benchmarks.md).
 _PF = ISA != "avx512vnni"
 PF_BYTES = 4096 if _PF else 0    # bytes ahead a Q4 / Q5 / Q8 tile prefetches its weights (0: none)
-KPF_AHEAD = 8 if _PF else 0      # super-blocks ahead a K tile prefetches (0: none)
+KPF_AHEAD = 8 if _PF else 2      # super-blocks ahead a K tile prefetches (0: none)
 
 # fmt -> (low bits per q in the qs plane @0, (high bits, their plane's offset) or None,
 #         offset of the per-16 scales (None: 6-bit sc / m per 32 at SB-20 / SB-12), offset z (q - z signed, no dmin))
