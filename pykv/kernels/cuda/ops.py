@@ -212,6 +212,15 @@ def qkv_prep(q, k, v, pos0, cos, sin, n_rot, do_rope, shift, scale, smooth, sign
                                           bool(smooth), sign, bool(rotate), f32(qmul))
 
 
+@cuda.jit(device=True, inline=True)
+def _row_dot(m, g, i, v, HD):
+    # row i of m[g] (HD x HD) . v (HD,)
+    acc = f32(0.0)
+    for j in range(HD):
+        acc += m[g, i, j] * v[j]
+    return acc
+
+
 @cuda.jit
 def _key_xform_kernel(q, k, mk, mq, mu):
     # block (t, g): thread i computes element i of the group's key, then of each of its query heads
@@ -224,10 +233,7 @@ def _key_xform_kernel(q, k, mk, mq, mu):
         tmp[i] = k[t, g, i] - mu[g, i]
     cuda.syncthreads()
     if i < HD:
-        acc = f32(0.0)
-        for j in range(HD):
-            acc += mk[g, i, j] * tmp[j]
-        k[t, g, i] = acc
+        k[t, g, i] = _row_dot(mk, g, i, tmp, HD)
     for gi in range(G):
         h = g * G + gi
         cuda.syncthreads()
@@ -235,10 +241,7 @@ def _key_xform_kernel(q, k, mk, mq, mu):
             tmp[i] = q[t, h, i]
         cuda.syncthreads()
         if i < HD:
-            acc = f32(0.0)
-            for j in range(HD):
-                acc += mq[g, i, j] * tmp[j]
-            q[t, h, i] = acc
+            q[t, h, i] = _row_dot(mq, g, i, tmp, HD)
 
 
 def key_xform(q, k, mk, mq, mu) -> None:
