@@ -51,7 +51,7 @@ class _MovedFinder:
 
 
 import sys as _sys  # noqa: E402
-if not any(f is _MovedFinder or type(f).__name__ == "_MovedFinder" for f in _sys.meta_path):
+if _MovedFinder not in _sys.meta_path:
     _sys.meta_path.append(_MovedFinder)
 
 

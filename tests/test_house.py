@@ -56,3 +56,16 @@ def test_no_dated_measurements_in_the_code():
     hits = [f"{p.relative_to(ROOT)}:{i}: {line.strip()}" for p in PKG.rglob("*.py")
             for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1) if pat.search(line)]
     assert not hits, hits
+
+
+def test_old_module_paths_still_import_with_a_warning():
+    code = ("import warnings, importlib; warnings.simplefilter('error')\n"
+            "import pykv\n"
+            "try:\n    import pykv.kv_cache\nexcept DeprecationWarning as e:\n    print('warned', e)\n"
+            "warnings.simplefilter('ignore')\n"
+            "import pykv.kv_cache as old, pykv.kv.cache as new, pykv.convert as conv\n"
+            "print(old is new, conv.quantize_gguf.__module__)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    assert "warned pykv.kv_cache is deprecated: import pykv.kv.cache" in r.stdout
+    assert "True pykv.tools.quantize" in r.stdout

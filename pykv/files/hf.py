@@ -110,7 +110,8 @@ def write_safetensors(path: str | Path, tensors: dict[str, np.ndarray],
     spec = getattr(safetensors, "TensorSpec", None)     # 0.6+: zero-copy specs; before: dicts with bytes
     flat, keep = {}, []
     for name, arr in tensors.items():
-        arr = np.ascontiguousarray(arr).astype(np.asarray(arr).dtype.newbyteorder("<"), copy=False)
+        arr = np.asarray(arr)
+        arr = np.ascontiguousarray(arr, dtype=arr.dtype.newbyteorder("<"))     # safetensors is little-endian
         st = (dtypes or {}).get(name) or _NP_TO_ST.get(arr.dtype)
         if st is None or st not in _ST_NAMES:
             raise SafetensorsError(f"cannot store dtype {arr.dtype} for {name}")
@@ -119,8 +120,7 @@ def write_safetensors(path: str | Path, tensors: dict[str, np.ndarray],
             flat[name] = spec(dtype=_ST_NAMES[st], shape=arr.shape, data_ptr=arr.ctypes.data, data_len=arr.nbytes)
         else:
             flat[name] = {"dtype": _ST_NAMES[st], "shape": list(arr.shape), "data": arr.tobytes()}
-    safetensors.serialize_file(flat, str(path), metadata=dict(metadata or {"format": "pt"}))
-    del keep
+    safetensors.serialize_file(flat, str(path), metadata=dict(metadata or {"format": "pt"}))   # keep: alive until here
 
 
 class HFCheckpoint:
