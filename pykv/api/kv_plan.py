@@ -147,7 +147,7 @@ class _Prober:
             for li in range(l0, L):
                 if record:
                     x[li], o[li] = st.x[:T], st.o[:T]
-                m._layer(li, seq, T)
+                m._layer(li, [(seq, 0, T, m.cache.chunk_for(seq.n_tokens + T, T, m.be.workers()))], T)
             seq.n_tokens += T
             # the output head, as Model._batch computes it
             rmsnorm(st.x[:T], m.weights.output_norm, m.config.norm_eps, st.h[:T])

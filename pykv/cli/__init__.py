@@ -8,10 +8,10 @@ import os
 import sys
 import warnings
 
-from pykv.cli import bench, chat, convert, evaluate, kv_plan, run
+from pykv.cli import bench, bench_serve, chat, convert, evaluate, kv_plan, run, serve
 from pykv.files.config import PykvError
 
-COMMANDS = (run, evaluate, kv_plan, bench, convert, chat)     # in `pykv --help` order
+COMMANDS = (run, evaluate, kv_plan, bench, bench_serve, convert, chat, serve)     # in `pykv --help` order
 
 
 def build_parser() -> argparse.ArgumentParser:

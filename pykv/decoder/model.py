@@ -105,6 +105,7 @@ class Weights:
 
 
 PROGRESS_BYTES = 1 << 30
+BIND_KEEP = 64      # bound products kept per batch size up to this (decode steps of up to this many sequences)
 
 
 def _load_progress(gf: GGUFFile):
@@ -228,10 +229,12 @@ class Decoder:
                          "k_prerope": kv_prerope, "max_seqs": max_seqs, "kv_window": kv_window, "kv_sinks": kv_sinks,
                          "kv_window_type": kv_window_type}
         self.n_batch = int(n_batch)
-        self._bound = {}     # layer -> its decode products bound to the run state (_bound_calls)
+        self._bound = {}     # (layer, T) -> its products bound to the run state (_bound_calls)
         self.compile_helper = None   # pykv.tools.warm.Helper compiling the decode kernels elsewhere (a cold cache)
         self.max_chunks = 8 * self.be.max_workers + 2
-        self.state = RunState(cfg, self.n_batch, self.max_chunks, self.be)
+        # a step of many sequences (step) runs up to n_batch prompt tokens beside max_seqs decode tokens
+        self.step_rows = self.n_batch + (int(max_seqs) if max_seqs > 1 else 0)
+        self.state = RunState(cfg, self.step_rows, self.max_chunks, self.be)
         cos, sin = rope_tables(self.n_ctx, cfg.rope_dims, cfg.rope_base, cfg.rope_freq_scale,
                                          self.weights.rope_freqs, cfg.yarn_ext_factor, cfg.yarn_attn_mul,
                                          cfg.yarn_beta_fast, cfg.yarn_beta_slow, cfg.rope_orig_ctx)
@@ -293,11 +296,17 @@ class Decoder:
         return self.cache.bytes_per_token()
 
     # ---- forward -----------------------------------------------------------------------------
-    def _layer(self, li: int, seq: Sequence, T: int, chunk: int = 0, chains=None, fold=None) -> None:
-        """Layer li for T tokens at seq.n_tokens..; chunk: attention's keys per work item (0: picked
-        here; _batch picks it once for all layers).  chains (decode, _decode_chains): chains[li] ran
-        this layer's norm and Q/K/V products, and its attention where fold[li] (KVCache.fold_args) is
-        not None; chains[li + 1] runs everything after its attention (and the next layer's)."""
+    def _layer(self, li: int, segs, T: int, chains=None, fold=None, grp=None) -> None:
+        """Layer li for the batch's T rows: segs lists (seq, r0, t, chunk), rows r0 .. r0 + t of the
+        run state are seq's tokens at seq.n_tokens .. (one segment: a sequence's batch; many: a step of
+        many sequences, _run), chunk: attention's keys per work item (_run picks it once for all layers).
+        The products see all T rows at once (their rows do not depend on each other, so a sequence's
+        bits do not depend on the batch); RoPE, the cache append and attention run per segment.
+        grp (a KVCache.DecodeGroup): segs' first len(grp.pos) segments are one-token sequences whose RoPE,
+        append and attention run batched, one call each for all of them (rows 0 .. S - 1).
+        chains (one decode token, _decode_chains): chains[li] ran this layer's norm and Q/K/V products,
+        and its attention where fold[li] (KVCache.fold_args) is not None; chains[li + 1] runs
+        everything after its attention (and the next layer's)."""
         cfg, st, lw, cache = self.config, self.state, self.weights.layers[li], self.cache
         ops = self.be.ops
         vw, ad, af = st.views(T), st.act_d, st.act_ff
@@ -313,7 +322,38 @@ class Decoder:
                 ops.add_rmsnorm_act(x, o, lw.attn_norm, cfg.norm_eps, ad.x, ad.xf)
             ad.mark(T)
             mq()                            # q, k, v = x @ (wq, wk, wv)
-        q3, k3, v3 = vw.q3, vw.k3, vw.v3
+        S = 0
+        if grp is not None:
+            S = len(grp.pos)
+            q3, k3, v3 = vw.q3[:S], vw.k3[:S], vw.v3[:S]
+            ops.qkv_prep_seqs(q3, k3, v3, grp.pos, self.cos, self.sin, cfg.rope_dims, grp.shift, grp.scale, li,
+                              cache.k_smooth[li], self.rot_sign, self.rotate, self.q_mul)
+            cache.append_seqs(li, grp, k3, v3)
+            cache.attend_seqs(li, grp, q3, vw.att3[:S])
+        for seq, r0, t, chunk in segs[S:]:
+            self._attention(li, seq, vw, r0, t, chunk)
+        if chains is not None:              # this layer's tail and the next layer's head, one region
+            chains[li + 1](fold[li + 1])
+            return
+        att3 = vw.att3
+        ops.attn_out_act(att3, self.rot_sign, self.rotate, ad.x, ad.xf)
+        ad.mark(T)
+        mo()                                # o = att @ wo
+        ops.add_rmsnorm_act(x, o, lw.ffn_norm, cfg.norm_eps, ad.x, ad.xf)
+        ad.mark(T)
+        mgu()                               # g, u = x @ (w_gate, w_up)
+        ops.swiglu_act(vw.g, vw.u, af.x, af.xf)
+        af.mark(T)
+        mdown()                             # o = swiglu @ w_down
+        if li == cfg.n_layers - 1:
+            ops.add_inplace(x, o)
+        # else: the next layer's add_rmsnorm_act adds o to x
+
+    def _attention(self, li: int, seq: Sequence, vw: Views, r0: int, t: int, chunk: int) -> None:
+        """Layer li's RoPE, key smoothing, cache append and attention for seq's rows r0 .. r0 + t
+        (its tokens at seq.n_tokens ..): att3's rows from q3, k3, v3's."""
+        cfg, st, cache, ops = self.config, self.state, self.cache, self.be.ops
+        q3, k3, v3 = vw.q3[r0:r0 + t], vw.k3[r0:r0 + t], vw.v3[r0:r0 + t]
         n_past = seq.n_tokens
         smooth = cache.k_smooth[li]
         if cache.k_pre[li]:      # keys stored before RoPE (attention ropes them): plain roped queries
@@ -335,37 +375,19 @@ class Decoder:
             if cache.k_xf[li] is not None:     # klt keys: the calibrated transform (kv_transform)
                 ops.key_xform(q3, k3, *cache.k_xf[li])
         cache.append(li, seq, k3, v3)
-        n_tot = n_past + T
-        chunk = chunk or cache.chunk_for(n_tot, T, self.be.workers())
-        part = st.part_view(T, -(-n_tot // chunk))
-        att3 = vw.att3
-        cache.attend(li, seq, q3, n_past, chunk, part, att3)
-        if chains is not None:              # this layer's tail and the next layer's head, one region
-            chains[li + 1](fold[li + 1])
-            return
-        ops.attn_out_act(att3, self.rot_sign, self.rotate, ad.x, ad.xf)
-        ad.mark(T)
-        mo()                                # o = att @ wo
-        ops.add_rmsnorm_act(x, o, lw.ffn_norm, cfg.norm_eps, ad.x, ad.xf)
-        ad.mark(T)
-        mgu()                               # g, u = x @ (w_gate, w_up)
-        ops.swiglu_act(vw.g, vw.u, af.x, af.xf)
-        af.mark(T)
-        mdown()                             # o = swiglu @ w_down
-        if li == cfg.n_layers - 1:
-            ops.add_inplace(x, o)
-        # else: the next layer's add_rmsnorm_act adds o to x
+        part = st.part_view(t, -(-(n_past + t) // chunk))
+        cache.attend(li, seq, q3, n_past, chunk, part, vw.att3[r0:r0 + t])
 
     def _bound_calls(self, li: int, T: int, vw: Views):
         """Layer li's four products (Q/K/V, output, gate/up, down) for T tokens as the backend's bound
-        calls (matmul.bind): kept for decode (T == 1), where their Python is a share of each token."""
-        c = self._bound.get(li) if T == 1 else None
+        calls (matmul.bind): kept for T <= BIND_KEEP (decode steps), where their Python is a share of each token."""
+        c = self._bound.get((li, T)) if T <= BIND_KEEP else None
         if c is None:
             lw, st, bind = self.weights.layers[li], self.state, self.be.matmul.bind
             c = (bind(lw.qkv, st.act_d, (vw.q, vw.k, vw.v), T), bind(lw.wo, st.act_d, vw.o, T),
                  bind(lw.gate_up, st.act_d, (vw.g, vw.u), T), bind(lw.w_down, st.act_ff, vw.o, T))
-            if T == 1:
-                self._bound[li] = c
+            if T <= BIND_KEEP:
+                self._bound[(li, T)] = c
         return c
 
     def _decode_chains(self):
@@ -394,25 +416,103 @@ class Decoder:
     def _batch(self, seq: Sequence, ids: np.ndarray, all_logits: bool, need_logits: bool = True):
         """Run T <= n_batch tokens at positions seq.n_tokens.. ; returns logits (T or 1, V) (a view),
         or None when need_logits is False."""
-        T, st, w = len(ids), self.state, self.weights
+        return self._run([(seq, ids)], "all" if all_logits else ("last" if need_logits else None))
+
+    def _run(self, work, rows):
+        """One forward step over [(seq, ids), ...]: each sequence's ids at its positions seq.n_tokens..
+        (T = all ids <= n_batch; a sequence appears once).  rows: "all" (logits of every row), "last"
+        (each sequence's last row, in work's order), None (no logits).  Returns logits (n, V), a view."""
+        st, w = self.state, self.weights
         ops, mm = self.be.ops, self.be.matmul
-        if T == 1 and self.compile_helper is not None:    # it compiles this step's kernels: load them
+        for seq, ids in work:
+            self.cache.reserve(seq, len(ids))
+        order = None
+        grp = None
+        n1 = sum(1 for _, i in work if len(i) == 1)
+        if n1 > 1:      # the one-token sequences first, batched (KVCache.decode_group) where they can be
+            order = sorted(range(len(work)), key=lambda j: len(work[j][1]) != 1)
+            work = [work[j] for j in order]
+            grp = self.cache.decode_group([seq for seq, _ in work[:n1]], self.be.workers())
+        ids = work[0][1] if len(work) == 1 else np.concatenate([np.asarray(i, np.int64) for _, i in work])
+        T = len(ids)
+        if T == len(work) and self.compile_helper is not None:    # it compiles this step's kernels: load them
             self.compile_helper.wait()
             self.compile_helper = None
-        self.cache.reserve(seq, T)
         mm.get_rows(w.token_embd, ids, st.x[:T])
-        chunk = self.cache.chunk_for(seq.n_tokens + T, T, self.be.workers())
+        workers, segs, r0 = self.be.workers(), [], 0
+        for seq, i in work:
+            segs.append((seq, r0, len(i), self.cache.chunk_for(seq.n_tokens + len(i), len(i), workers)))
+            r0 += len(i)
         chains = self._decode_chains() if T == 1 else None
         fold = None
         if chains is not None:
-            fold = self.cache.fold_args(seq, chunk) + [None]    # [L]: the last chain has no next layer
+            fold = self.cache.fold_args(segs[0][0], segs[0][3]) + [None]    # [L]: the last chain has no next layer
             chains[0](fold[0])
         for li in range(self.config.n_layers):
-            self._layer(li, seq, T, chunk, chains, fold)
-        seq.n_tokens += T
-        if not need_logits:
+            self._layer(li, segs, T, chains, fold, grp)
+        for seq, _, t, _ in segs:
+            seq.n_tokens += t
+        if rows is None:
             return None
-        return self._head(st.x[:T] if all_logits else st.x[T - 1:T])
+        if order is not None:     # back to the caller's order
+            inv = np.argsort(order)
+            segs = [segs[j] for j in inv]
+            if T == len(work):
+                rows = "last"
+        if rows == "all" or (T == len(work) and order is None):
+            return self._head(st.x[:T])
+        last = [r + t - 1 for _, r, t, _ in segs]
+        if len(last) == 1:
+            return self._head(st.x[last[0]:last[0] + 1])
+        x = np.ascontiguousarray(self.be.to_host(st.x[:T])[last])   # a mixed step's last rows, to the front
+        rows = st.o[:len(last)]         # free after the last layer (its FFN output is in x)
+        if self.be.name == "cpu":
+            rows[...] = x
+        else:
+            rows.copy_to_device(x)
+        return self._head(rows)
+
+    def step(self, work) -> np.ndarray:
+        """One forward step of many sequences (continuous batching): work is [(seq, ids), ...], a
+        decode token or a prompt chunk per sequence, at most step_rows ids in all.  The weights are read
+        once for the step.  Returns each sequence's last-token logits (len(work), V) on the host, equal
+        bit for bit (q8 activations) to what the sequence's own _feed would give when each prompt
+        chunk is the one _feed would run (chunk_limit tokens, or the rest)."""
+        if not work:
+            raise PykvError("step: no sequences")
+        seen, total = set(), 0
+        for seq, ids in work:
+            ids = np.asarray(ids)
+            if id(seq) in seen:
+                raise PykvError("step: a sequence appears twice")
+            seen.add(id(seq))
+            if ids.ndim != 1 or len(ids) == 0:
+                raise PykvError("step: expected a non-empty list of token ids per sequence")
+            if ids.min() < 0 or ids.max() >= self.n_vocab:
+                raise PykvError(f"token id out of range [0, {self.n_vocab})")
+            if seq.n_tokens + len(ids) > self.n_ctx:
+                raise PykvError(f"{seq.n_tokens + len(ids)} tokens exceed the context size {self.n_ctx} (use -c)")
+            lim = self.cache.kivi_batch_limit(seq.n_tokens)
+            if lim is not None and len(ids) > lim:
+                raise PykvError(f"step: a KIVI cache takes at most {lim} tokens here (chunk_limit)")
+            total += len(ids)
+        if total > self.step_rows:
+            raise PykvError(f"step: {total} tokens exceed the step's rows {self.step_rows} (n_batch + max_seqs)")
+        work = [(seq, np.asarray(ids, np.int64)) for seq, ids in work]
+        try:
+            with Threads(self.threads):
+                # the rows are left in st.h / st.logits: the shared run state must not be read by the next
+                # step before the copy
+                return self.be.to_host(self._run(work, "last")).copy()
+        except ZeroDivisionError:
+            raise PykvError(f"{self.path}: the forward pass overflowed to inf/NaN (weights too large "
+                            "for float32 activations)") from None
+
+    def chunk_limit(self, seq: Sequence) -> int:
+        """The most prompt tokens seq may take in one step: n_batch, and with a KIVI cache the rest of
+        its page (kivi_batch_limit), as _feed cuts a prompt, so a chunked prompt gets the same bits."""
+        lim = self.cache.kivi_batch_limit(seq.n_tokens)
+        return self.n_batch if lim is None else min(self.n_batch, lim)
 
     def _head(self, rows):
         """Logits (n, V) of residual rows (n, D) of the run state: the final norm, then the output product."""

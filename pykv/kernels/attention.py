@@ -59,6 +59,7 @@ from pykv.kernels.simd import bits_f32, gemm_tile, prefetch
 TILE = 32          # keys per segment (the f32 K and V tiles: TILE x HD floats each)
 PF_AHEAD = 2       # segments ahead whose pool rows are prefetched
 QBLOCK = 8         # query tokens per work item in prefill
+_Z = np.int64(0)
 SERIAL_KEYS = 384  # decode steps with at most this many (keys x KV heads) run on the calling thread
 _FM = {"reassoc", "contract", "nsz", "arcp"}   # no nnan / ninf: -inf is a real state here
 
@@ -697,6 +698,57 @@ def merge_row(part, C, G, t, out):
     not inlined: kernels.chain calls it too, and gets the same bits)."""
     for h in range(out.shape[1]):
         _merge(part, C, G, t, h, out)
+
+
+@njit(cache=True, nogil=True, parallel=True, fastmath=_FM)
+def attend_seqs(q, kpool, vpool, kres, vres, sinks, li, ns_k, ns_v, page_tables, meta, items, P, kcode, kbits,
+                vcode, rcode, part, out, kx, cos, sin):
+    """Decode attention of a step of S one-token sequences (batched decode) in one parallel region:
+    q (S, 1, H, HD) -> out (S, 1, H, HD).  Sequence s: sinks[s, li, 0 | 1] its f16 sink rows (KVH, NS,
+    2*HD) of keys / values (ns_k / ns_v of them read), page_tables[s], meta[s] = (n_past, chunk, offset
+    of its partials (1, KVH, C, G, HD + 2) in the flat part); items (N, 2): (s, work item of its attend).
+    The items and the merge run attend's own code (_work, _merge) with the sequence's chunk, so each
+    sequence gets the bits of its own decode step.  kres / vres: unread rows (no ring here)."""
+    S, H, HD = q.shape[0], q.shape[2], q.shape[3]
+    KVH = kpool.shape[0]
+    G = H // KVH
+    N = items.shape[0]
+    keys = 0
+    for s in range(S):
+        keys += (meta[s, 0] + 1) * KVH
+    if keys <= SERIAL_KEYS:
+        for i in range(N):
+            _seq_item(q, kpool, vpool, kres, vres, sinks, li, ns_k, ns_v, page_tables, meta, items, P, kcode, kbits,
+                      vcode, rcode, part, kx, cos, sin, i, KVH, G, HD)
+    else:
+        for i in prange(N):     # (a prange index is unsigned: cast, so _seq_item has one specialization)
+            _seq_item(q, kpool, vpool, kres, vres, sinks, li, ns_k, ns_v, page_tables, meta, items, P, kcode, kbits,
+                      vcode, rcode, part, kx, cos, sin, np.int64(i), KVH, G, HD)
+    for s in range(S):
+        n_past, chunk, off = meta[s, 0], meta[s, 1], meta[s, 2]
+        C = (n_past + chunk) // chunk
+        ps = part[off:off + KVH * C * G * (HD + 2)].reshape((1, KVH, C, G, HD + 2))
+        merge_row(ps, C, G, _Z, out[s])
+
+
+
+
+@njit(cache=True, nogil=True, fastmath=_FM)
+def _seq_item(q, kpool, vpool, kres, vres, sinks, li, ns_k, ns_v, page_tables, meta, items, P, kcode, kbits, vcode,
+              rcode, part, kx, cos, sin, i, KVH, G, HD):
+    """Work item items[i] of attend_seqs: attend's decode item (KV head, key chunk) of one sequence,
+    calling _item as the decode chain does (kernels.chain: the same bits as attend)."""
+    s, it = items[i, 0], items[i, 1]
+    n_past, chunk, off = meta[s, 0], meta[s, 1], meta[s, 2]
+    n_tot = n_past + 1
+    C = (n_tot + chunk - 1) // chunk
+    ps = part[off:off + KVH * C * G * (HD + 2)].reshape((1, KVH, C, G, HD + 2))
+    c = it % C
+    g = it // C
+    a0 = c * chunk
+    _item(q[s], kpool, vpool, kres, vres, sinks[s, li, 0], sinks[s, li, 1], page_tables[s], n_past, ns_k, ns_v,
+          n_tot, n_tot, _Z, _Z, P, kcode, kbits, vcode, rcode, g, _Z, np.int64(1), a0, min(a0 + chunk, n_tot), ps, c,
+          kx, cos, sin, False)
 
 
 def attend_batch(q, kpool, vpool, kres, vres, ksink, vsink, page_tables, meta, P, kcode, kbits, vcode, rcode,

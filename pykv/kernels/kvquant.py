@@ -732,6 +732,26 @@ def append_rows(x, pool, page_table, start, P, code):
             _append_row(x, pool, page_table, start, P, code, i)
 
 
+@njit(cache=True, nogil=True, parallel=True)
+def append_seqs(x, pool, page_tables, pos, P, code):
+    # a step of S one-token sequences (batched decode): x (S, KVH, HD) f32, row s -> token pos[s] of the
+    # sequence whose page table is page_tables[s] (S, max_pages); the rows quantize as append_rows's
+    S, KVH, HD = x.shape
+    rb = pool.shape[2] // P
+    if S * KVH >= PAR_T:
+        for i in prange(S * KVH):
+            s, g = i // KVH, i % KVH
+            j = pos[s]
+            o = (j % P) * rb
+            quantize_row(code, x[s, g], pool[g, page_tables[s, j // P], o:o + rb])
+    else:
+        for i in range(S * KVH):
+            s, g = i // KVH, i % KVH
+            j = pos[s]
+            o = (j % P) * rb
+            quantize_row(code, x[s, g], pool[g, page_tables[s, j // P], o:o + rb])
+
+
 @njit(cache=True, nogil=True)
 def write_residual(x, res, start, P, rcode):
     # x (T, KVH, HD) f32, all in one page -> f16 rows res[g, (start + t) % P]

@@ -156,6 +156,16 @@ def qkv_prep(q, k, v, pos0, cos, sin, n_rot, do_rope, shift, scale, smooth, sign
                     qv[i] *= qmul
 
 
+@njit(cache=True, nogil=True, fastmath=True, error_model="numpy")
+def qkv_prep_seqs(q, k, v, pos, cos, sin, n_rot, shift, scale, li, smooth, sign, rotate, qmul):
+    """qkv_prep for a step of S one-token sequences (batched decode) in one call: row s (q (S, H, HD),
+    k, v (S, KVH, HD)) is at position pos[s] with its sequence's key smoothing shift[s, li], scale[s, li]
+    ((S, L, KVH, HD)); each row runs qkv_prep's own code, so its bits are the sequence's own step's."""
+    for s in range(q.shape[0]):
+        qkv_prep(q[s:s + 1], k[s:s + 1], v[s:s + 1], pos[s], cos, sin, n_rot, np.bool_(True), shift[s, li], scale[s, li],
+                 smooth, sign, rotate, qmul)
+
+
 @njit(cache=True, nogil=True, fastmath=True)
 def key_xform(q, k, mk, mq, mu):
     """klt key layers (pykv.kv.transform), after qkv_prep: k[t, g] = mk[g] @ (k[t, g] - mu[g]) and each

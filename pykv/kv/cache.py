@@ -83,10 +83,24 @@ class Sequence:
     n_tokens: int = 0
     pt_dev: object = None              # the page table where the kernels run (the same array on the CPU)
     residual: dict = field(default_factory=dict)   # (layer, "k"|"v") -> uint8 (KVH, RING, 2*HD) f16 ring
-    sink: dict = field(default_factory=dict)       # (layer, "k"|"v") -> uint8 (KVH, n_sink, 2*HD)
+    sink: dict = field(default_factory=dict)       # (layer, "k"|"v") -> uint8 (KVH, n_sink, 2*HD): views of sink_rows
+    sink_rows: object = None           # uint8 (n_layers, 2, KVH, n_sink, 2*HD): every layer's K / V sink rows
     k_shift: np.ndarray | None = None   # f32 (n_layers, KVH, HD): per-channel key mean removed before quantizing
     k_scale: np.ndarray | None = None   # f32 (n_layers, KVH, HD): keys divided, queries multiplied by it
     # (residual, sink, k_shift, k_scale: backend arrays, on the device with the cuda backend)
+
+
+@dataclass
+class DecodeGroup:
+    """A step's one-token sequences as the batched decode kernels take them (KVCache.decode_group)."""
+    pos: np.ndarray          # int64 (S,): each sequence's position (its tokens so far)
+    page_tables: np.ndarray  # int32 (S, max_pages)
+    meta: np.ndarray         # int64 (S, 3): n_past, attention chunk, offset of its partials in part
+    items: np.ndarray        # int32 (N, 2): (sequence, work item of its attention)
+    part: np.ndarray         # f32: the sequences' attention partials, back to back
+    shift: np.ndarray        # f32 (S, L, KVH, HD): key smoothing
+    scale: np.ndarray
+    sinks: np.ndarray        # uint8 (S, L, 2, KVH, NS, 2*HD): f16 sink rows
 
 
 def _fmt_list(types, n_layers, what):
@@ -238,6 +252,8 @@ class KVCache:
         shape = (cfg.n_layers, cfg.n_kv_heads, cfg.head_dim)
         seq.k_shift = be.to_device(np.zeros(shape, np.float32))   # identity smoothing
         seq.k_scale = be.to_device(np.ones(shape, np.float32))
+        seq.sink_rows = be.zeros((cfg.n_layers, 2) + self._dummy_sink.shape, np.uint8)
+        self._sink_views(seq)
         for li, l in enumerate(self.layers):
             for name, fmt in (("k", l.k_fmt), ("v", l.v_fmt)):
                 if fmt.kind == "kivi":
@@ -245,9 +261,16 @@ class KVCache:
                 elif windowed(fmt) and self.W:
                     seq.residual[(li, name)] = be.zeros((cfg.n_kv_heads, self.W, row_bytes(self.wfmt, cfg.head_dim)),
                                                         np.uint8)
-                if fmt.kind != "float" and self.NS:
-                    seq.sink[(li, name)] = be.zeros(self._dummy_sink.shape, np.uint8)
         return seq
+
+    def _sink_views(self, seq: Sequence) -> None:
+        """seq.sink's entries: views of seq.sink_rows for every quantized side (float sides have none)."""
+        seq.sink = {}
+        if self.NS:
+            for li, l in enumerate(self.layers):
+                for side, (name, fmt) in enumerate((("k", l.k_fmt), ("v", l.v_fmt))):
+                    if fmt.kind != "float":
+                        seq.sink[(li, name)] = seq.sink_rows[li, side]
 
     def free_sequence(self, seq: Sequence) -> None:
         """Give the sequence's pages back to the pool (a page shared with a fork stays with it)."""
@@ -302,7 +325,8 @@ class KVCache:
         cp = self._copy
         new = Sequence(seq.page_table.copy(), seq.n_tokens,
                        residual={k: cp(v) for k, v in seq.residual.items()},
-                       sink={k: cp(v) for k, v in seq.sink.items()}, k_shift=cp(seq.k_shift), k_scale=cp(seq.k_scale))
+                       sink_rows=cp(seq.sink_rows), k_shift=cp(seq.k_shift), k_scale=cp(seq.k_scale))
+        self._sink_views(new)
         new.pt_dev = self.be.to_device(new.page_table)
         held = seq.page_table[seq.page_table >= 0]
         self.page_refs[held] += 1
@@ -571,6 +595,48 @@ class KVCache:
                 seq.pt_dev, n_past, self.n_sink(l.k_fmt, n_tot), self.n_sink(l.v_fmt, n_tot),
                 nq_k, nq_v, wk, wv, self.P, l.k_fmt.code, l.k_bits, l.v_fmt.code, self.F16_CODE, chunk, part, out,
                 *self._kx(seq, li))
+
+    def decode_group(self, seqs, workers: int):
+        """The per-step arrays of batched decode (attend_seqs, append_seqs, qkv_prep_seqs) for a step's
+        one-token sequences, before their tokens are counted; None where a sequence or layer needs the
+        per-sequence path: another backend, a layer _foldable rules out, a capture, a sequence's first
+        token or one that lands in the f16 sink rows."""
+        L = len(self.layers)
+        if self.be.name != "cpu" or self.capture is not None or not all(self._foldable(li) for li in range(L)):
+            return None
+        quant = any(f.kind != "float" for l in self.layers for f in (l.k_fmt, l.v_fmt))
+        if any(s.n_tokens == 0 or (quant and s.n_tokens < self.NS) for s in seqs):
+            return None
+        KVH, HD, G = self.cfg.n_kv_heads, self.cfg.head_dim, self.cfg.n_heads // self.cfg.n_kv_heads
+        S = len(seqs)
+        meta = np.zeros((S, 3), np.int64)
+        items, off = [], 0
+        for i, s in enumerate(seqs):
+            n = s.n_tokens + 1
+            chunk = self.chunk_for(n, 1, workers)
+            C = -(-n // chunk)
+            meta[i] = (s.n_tokens, chunk, off)
+            items.append(np.stack([np.full(KVH * C, i), np.arange(KVH * C)], axis=1))
+            off += KVH * C * G * (HD + 2)
+        return DecodeGroup(np.array([s.n_tokens for s in seqs], np.int64), np.stack([s.page_table for s in seqs]),
+                           meta, np.concatenate(items).astype(np.int32), np.empty(off, np.float32),
+                           np.stack([s.k_shift for s in seqs]), np.stack([s.k_scale for s in seqs]),
+                           np.stack([s.sink_rows for s in seqs]))
+
+    def append_seqs(self, li: int, grp: "DecodeGroup", k, v) -> None:
+        """append for a decode group: k, v (S, KVH, HD), row s at its sequence's next position."""
+        l, kq = self.layers[li], self.be.kvquant
+        kq.append_seqs(k, l.k_pool, grp.page_tables, grp.pos, self.P, l.k_fmt.code)
+        kq.append_seqs(v, l.v_pool, grp.page_tables, grp.pos, self.P, l.v_fmt.code)
+
+    def attend_seqs(self, li: int, grp: "DecodeGroup", q, out) -> None:
+        """attend for a decode group, one call: q (S, H, HD) -> out (S, H, HD)."""
+        l, S = self.layers[li], q.shape[0]
+        self.be.attention.attend_seqs(
+            q.reshape(S, 1, *q.shape[1:]), l.k_pool, l.v_pool, self._dummy_res, self._dummy_res, grp.sinks, li,
+            self.n_sink(l.k_fmt, self.NS), self.n_sink(l.v_fmt, self.NS), grp.page_tables, grp.meta, grp.items,
+            self.P, l.k_fmt.code, l.k_bits, l.v_fmt.code, self.F16_CODE, grp.part, out.reshape(S, 1, *out.shape[1:]),
+            *self._no_kx)
 
     def attend_batch(self, li: int, seqs, q, chunk: int, part, out) -> None:
         """One decode query per sequence (their newest token, already appended): q (S, H, HD) -> out

@@ -43,6 +43,29 @@ def test_build_llama_bench_rejects_bad_arguments(tmp_path):
         b.main(["avx2", "--src", str(tmp_path / "nope.zip"), "--dry-run"])
 
 
+def test_build_llama_bench_targets_and_server_flag(tmp_path, capsys):
+    b = _tool("build_llama_bench")
+    assert b.parse_targets("all") == b.ALL_TARGETS
+    assert b.parse_targets(" llama-server,all") == ("llama-server", "llama-bench", "llama-quantize",
+                                                    "llama-batched-bench")
+    assert "-DLLAMA_BUILD_SERVER=OFF" in b.cmake_args("avx2", "s", "b")
+    assert "-DLLAMA_BUILD_SERVER=OFF" in b.cmake_args("avx2", "s", "b", ("llama-batched-bench",))
+    on = b.cmake_args("avx2", "s", "b", ("llama-server",))
+    assert "-DLLAMA_BUILD_SERVER=ON" in on and "-DLLAMA_USE_PREBUILT_UI=OFF" in on and "-DLLAMA_CURL=OFF" in on
+    (tmp_path / "CMakeLists.txt").write_text("")
+    common = ["avx512vnni", "--src", str(tmp_path), "--build-dir", str(tmp_path / "b"), "--dry-run"]
+    assert b.main(common) == 0
+    cmake, build = capsys.readouterr().out.splitlines()[:2]
+    assert "-DLLAMA_BUILD_SERVER=OFF" in cmake.split()
+    assert build.endswith("--target llama-bench llama-quantize")
+    assert b.main(common + ["--targets", "all"]) == 0
+    cmake, build = capsys.readouterr().out.splitlines()[:2]
+    assert "-DLLAMA_BUILD_SERVER=ON" in cmake.split()
+    assert build.endswith("--target llama-bench llama-quantize llama-batched-bench llama-server")
+    with pytest.raises(SystemExit, match="unknown target"):
+        b.main(common + ["--targets", "llama-cli"])
+
+
 def test_requantize_names_and_refusals(tmp_path):
     r = _tool("requantize")
     assert r.out_path("/m/SmolLM2-135M-Instruct.Q4_1.gguf", "/c", "Q6_K") == "/c/SmolLM2-135M-Instruct.Q6_K.gguf"
