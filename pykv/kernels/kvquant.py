@@ -67,6 +67,8 @@ from pykv.files.formats import (CODE_BF16, CODE_F16, CODE_F32, CODE_FP8_E4M3, CO
                        CODE_INT4, CODE_IQ4_NL, CODE_Q4_0, CODE_Q4_1, CODE_Q5_0, CODE_Q5_1, CODE_Q8_0)
 from pykv.kernels.blocks import IQ4NL_F, NL_BYTES, NL_SCALE, deq_rows, nl_e8, nl_level, nl_offset, nl_width, rd_f16
 from pykv.kernels.ops import PAR_T
+
+PAR_SEQ_VALUES = 1 << 15   # append_seqs: K values per step from which its rows run in parallel
 from pykv.kernels.simd import bits_f32, f32_bits, floorf, fmul_rn, h2f
 
 # ----------------------------------------------------------------------------------------------
@@ -732,24 +734,32 @@ def append_rows(x, pool, page_table, start, P, code):
             _append_row(x, pool, page_table, start, P, code, i)
 
 
-@njit(cache=True, nogil=True, parallel=True)
-def append_seqs(x, pool, page_tables, pos, P, code):
-    # a step of S one-token sequences (batched decode): x (S, KVH, HD) f32, row s -> token pos[s] of the
-    # sequence whose page table is page_tables[s] (S, max_pages); the rows quantize as append_rows's
-    S, KVH, HD = x.shape
+@njit(cache=True, nogil=True, inline="always")
+def _append_seq_row(x, pool, page_tables, pos, P, code, s, g):
     rb = pool.shape[2] // P
-    if S * KVH >= PAR_T:
-        for i in prange(S * KVH):
-            s, g = i // KVH, i % KVH
-            j = pos[s]
-            o = (j % P) * rb
-            quantize_row(code, x[s, g], pool[g, page_tables[s, j // P], o:o + rb])
+    j = pos[s]
+    o = (j % P) * rb
+    quantize_row(code, x[s, g], pool[g, page_tables[s, j // P], o:o + rb])
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def append_seqs(k, v, kpool, vpool, page_tables, pos, P, kcode, vcode):
+    # a step of S one-token sequences (batched decode): k, v (S, KVH, HD) f32, row s -> token pos[s] of the
+    # sequence whose page table is page_tables[s] (S, max_pages); the rows quantize as append_rows's.
+    # A few rows run on the calling thread (far less work than waking the threads).
+    S, KVH, HD = k.shape
+    if S * KVH * HD >= PAR_SEQ_VALUES:
+        for i in prange(2 * S * KVH):
+            s, g = (i // 2) // KVH, (i // 2) % KVH
+            if i % 2 == 0:
+                _append_seq_row(k, kpool, page_tables, pos, P, kcode, s, g)
+            else:
+                _append_seq_row(v, vpool, page_tables, pos, P, vcode, s, g)
     else:
         for i in range(S * KVH):
             s, g = i // KVH, i % KVH
-            j = pos[s]
-            o = (j % P) * rb
-            quantize_row(code, x[s, g], pool[g, page_tables[s, j // P], o:o + rb])
+            _append_seq_row(k, kpool, page_tables, pos, P, kcode, s, g)
+            _append_seq_row(v, vpool, page_tables, pos, P, vcode, s, g)
 
 
 @njit(cache=True, nogil=True)

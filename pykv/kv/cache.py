@@ -625,9 +625,9 @@ class KVCache:
 
     def append_seqs(self, li: int, grp: "DecodeGroup", k, v) -> None:
         """append for a decode group: k, v (S, KVH, HD), row s at its sequence's next position."""
-        l, kq = self.layers[li], self.be.kvquant
-        kq.append_seqs(k, l.k_pool, grp.page_tables, grp.pos, self.P, l.k_fmt.code)
-        kq.append_seqs(v, l.v_pool, grp.page_tables, grp.pos, self.P, l.v_fmt.code)
+        l = self.layers[li]
+        self.be.kvquant.append_seqs(k, v, l.k_pool, l.v_pool, grp.page_tables, grp.pos, self.P, l.k_fmt.code,
+                                    l.v_fmt.code)
 
     def attend_seqs(self, li: int, grp: "DecodeGroup", q, out) -> None:
         """attend for a decode group, one call: q (S, H, HD) -> out (S, H, HD)."""
