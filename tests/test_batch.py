@@ -237,3 +237,21 @@ def test_engine_fails_a_request_pages_held_elsewhere_leave_no_room_for():
     e2.cancel(r)
     e2._reap()
     assert len(e2.queue) == 1 and events[-1]["finish_reason"] == "cancelled"
+
+
+def test_engine_runs_the_model_on_its_thread_with_the_models_thread_count():
+    """Every step runs on the engine thread, with the model's threads= in force around its kernels."""
+    import numba
+    m = pykv.load(None, n_ctx=256, max_seqs=2, threads=1)
+    seen, run = [], m._run
+
+    def spy(work, rows):
+        seen.append((threading.current_thread().name, numba.get_num_threads()))
+        return run(work, rows)
+    m._run = spy
+    e = Engine(m, parallel=2).start()
+    try:
+        _collect(e, [(m.tokenize(p), dict(max_tokens=3, temperature=0)) for p in ("Hi", "Hello there")])
+    finally:
+        e.stop()
+    assert seen and set(seen) == {("pykv-engine", 1)}

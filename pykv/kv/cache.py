@@ -184,6 +184,7 @@ class KVCache:
         self._tmp = be.zeros((KVH, self.P, HD), np.float32)
         self._stage = {}     # "k"|"v" -> f16 rows (KVH, W + T, 2*HD) of a prefill batch and its window
         self._fold = None    # per layer: its decode attention can run inside the chain (fold_args)
+        self._no_sinks = {}  # decode_group's unread rows by batch size
 
     def set_k_transform(self, cos, sin, sign) -> None:
         """The model's RoPE tables (n_ctx, n_rot/2) and Hadamard signs (HD,) (None: no rotation), which
@@ -618,10 +619,26 @@ class KVCache:
             meta[i] = (s.n_tokens, chunk, off)
             items.append(np.stack([np.full(KVH * C, i), np.arange(KVH * C)], axis=1))
             off += KVH * C * G * (HD + 2)
+        if quant:
+            sinks = np.stack([s.sink_rows for s in seqs])
+        else:       # nothing reads them: zeros of the shape, made once per batch size
+            sinks = self._no_sinks.get(S)
+            if sinks is None:
+                sinks = self._no_sinks[S] = np.zeros((S,) + seqs[0].sink_rows.shape, np.uint8)
+        smooth = any(self.k_smooth)
         return DecodeGroup(np.array([s.n_tokens for s in seqs], np.int64), np.stack([s.page_table for s in seqs]),
                            meta, np.concatenate(items).astype(np.int32), np.empty(off, np.float32),
-                           np.stack([s.k_shift for s in seqs]), np.stack([s.k_scale for s in seqs]),
-                           np.stack([s.sink_rows for s in seqs]))
+                           np.stack([s.k_shift for s in seqs]) if smooth else self._no_smooth(S, 0.0),
+                           np.stack([s.k_scale for s in seqs]) if smooth else self._no_smooth(S, 1.0), sinks)
+
+    def _no_smooth(self, S: int, value: float) -> np.ndarray:
+        """Identity key smoothing rows (S, L, KVH, HD) of a batch size (kept: no layer smooths)."""
+        key = (S, value)
+        a = self._no_sinks.get(key)
+        if a is None:
+            a = self._no_sinks[key] = np.full((S, self.cfg.n_layers, self.cfg.n_kv_heads, self.cfg.head_dim), value,
+                                              np.float32)
+        return a
 
     def append_seqs(self, li: int, grp: "DecodeGroup", k, v) -> None:
         """append for a decode group: k, v (S, KVH, HD), row s at its sequence's next position."""
