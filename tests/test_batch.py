@@ -101,10 +101,13 @@ def test_step_on_cuda_simulator_matches_single(tmp_path):
     path = write_tiny_gguf(tmp_path / "tiny.gguf", {"default": T.Q8_0}, dim=64, ff=64, n_heads=2, n_kv=1,
                            n_layers=1)
     m = pykv.load(str(path), n_ctx=32, device="cuda", max_seqs=3, kv_type_k="q8_0", kv_type_v="q8_0")
-    prompts = [[256, 72, 101], [256, 5], [256, 9, 33, 40, 41]]
-    got, _ = _batched(m, prompts, 2)
+    prompts = [[256, 72, 101, 7], [256, 5, 9, 10, 11, 12], [256, 9, 33, 40, 41]]
+    groups, make = [], m.cache.decode_group
+    m.cache.decode_group = lambda seqs, w: groups.append(make(seqs, w)) or groups[-1]
+    got, _ = _batched(m, prompts, 3)
+    assert any(g is not None for g in groups)       # the device twins of the batched kernels ran
     for p, g in zip(prompts, got):
-        assert g == _single(m, p, 2)[0]
+        assert g == _single(m, p, 3)[0]
 
 
 # ---- the engine ---------------------------------------------------------------------------------

@@ -420,7 +420,7 @@ class Decoder:
 
     def _run(self, work, rows):
         """One forward step over [(seq, ids), ...]: each sequence's ids at its positions seq.n_tokens..
-        (T = all ids <= n_batch; a sequence appears once).  rows: "all" (logits of every row), "last"
+        (T = all ids <= step_rows; a sequence appears once).  rows: "all" (logits of every row, one sequence), "last"
         (each sequence's last row, in work's order), None (no logits).  Returns logits (n, V), a view."""
         st, w = self.state, self.weights
         ops, mm = self.be.ops, self.be.matmul
@@ -482,16 +482,10 @@ class Decoder:
             raise PykvError("step: no sequences")
         seen, total = set(), 0
         for seq, ids in work:
-            ids = np.asarray(ids)
             if id(seq) in seen:
                 raise PykvError("step: a sequence appears twice")
             seen.add(id(seq))
-            if ids.ndim != 1 or len(ids) == 0:
-                raise PykvError("step: expected a non-empty list of token ids per sequence")
-            if ids.min() < 0 or ids.max() >= self.n_vocab:
-                raise PykvError(f"token id out of range [0, {self.n_vocab})")
-            if seq.n_tokens + len(ids) > self.n_ctx:
-                raise PykvError(f"{seq.n_tokens + len(ids)} tokens exceed the context size {self.n_ctx} (use -c)")
+            ids = self._check_ids(seq, ids)
             lim = self.cache.kivi_batch_limit(seq.n_tokens)
             if lim is not None and len(ids) > lim:
                 raise PykvError(f"step: a KIVI cache takes at most {lim} tokens here (chunk_limit)")
@@ -499,11 +493,26 @@ class Decoder:
         if total > self.step_rows:
             raise PykvError(f"step: {total} tokens exceed the step's rows {self.step_rows} (n_batch + max_seqs)")
         work = [(seq, np.asarray(ids, np.int64)) for seq, ids in work]
+        # the logits are a view of the shared run state: copied before the next step can write it
+        return self._guarded(lambda: self.be.to_host(self._run(work, "last")).copy())
+
+    def _check_ids(self, seq: Sequence, ids) -> np.ndarray:
+        """ids as int64 after the checks a kernel cannot make: non-empty, in the vocabulary, in the context."""
+        ids = np.asarray(ids, dtype=np.int64)
+        if ids.ndim != 1 or len(ids) == 0:
+            raise PykvError("expected a non-empty list of token ids")
+        if ids.min() < 0 or ids.max() >= self.n_vocab:
+            raise PykvError(f"token id out of range [0, {self.n_vocab})")
+        if seq.n_tokens + len(ids) > self.n_ctx:
+            raise PykvError(f"{seq.n_tokens + len(ids)} tokens exceed the context size {self.n_ctx} (use -c)")
+        return ids
+
+    def _guarded(self, run):
+        """run() with the model's thread count; a Numba division by a sum of NaN/inf activations becomes
+        a one-line PykvError."""
         try:
             with Threads(self.threads):
-                # the rows are left in st.h / st.logits: the shared run state must not be read by the next
-                # step before the copy
-                return self.be.to_host(self._run(work, "last")).copy()
+                return run()
         except ZeroDivisionError:
             raise PykvError(f"{self.path}: the forward pass overflowed to inf/NaN (weights too large "
                             "for float32 activations)") from None
@@ -540,19 +549,8 @@ class Decoder:
     def _feed(self, seq: Sequence, ids, out, progress):
         """Run ids in batches; out (len(ids), V) host array: every token's logits copied there; None:
         returns the last token's logits (1, V), a view of the backend's run state."""
-        ids = np.asarray(ids, dtype=np.int64)
-        if ids.ndim != 1 or len(ids) == 0:
-            raise PykvError("expected a non-empty list of token ids")
-        if ids.min() < 0 or ids.max() >= self.n_vocab:
-            raise PykvError(f"token id out of range [0, {self.n_vocab})")
-        if seq.n_tokens + len(ids) > self.n_ctx:
-            raise PykvError(f"{seq.n_tokens + len(ids)} tokens exceed the context size {self.n_ctx} (use -c)")
-        try:
-            with Threads(self.threads):
-                return self._eval_batches(seq, ids, out, progress)
-        except ZeroDivisionError:     # a Numba kernel divided by a sum of NaN/inf activations
-            raise PykvError(f"{self.path}: the forward pass overflowed to inf/NaN (weights too large "
-                            "for float32 activations)") from None
+        ids = self._check_ids(seq, ids)
+        return self._guarded(lambda: self._eval_batches(seq, ids, out, progress))
 
     def _eval_batches(self, seq: Sequence, ids: np.ndarray, out, progress):
         all_logits, last_row, s = out is not None, None, 0

@@ -27,8 +27,6 @@ KERNEL_MODULES = ("matmul", "ops", "kvquant", "attention", "sampler", "chain")
 # names but for these, each with the reason it has no twin (tests/kernels/test_twins.py checks it):
 CPU_ONLY = {
     "attention": {"item_cres": "the decode chain's attention stage (kernels.chain) calls it; no GPU chain",
-                  "attend_seqs": "batched decode's one-region attention; the GPU runs a step's sequences one "
-                                 "by one (attend) for now",
                   "merge_row": "a row helper the CPU chain inlines"},
     "chain": {name: "the fused decode step is CPU-only: the GPU's chain.bind returns None" for name in
               ("AttnFn", "AttnFnType", "Chain", "ChainArgs", "ChainArgsType", "attention_stand_in", "attn_fn",
@@ -37,14 +35,12 @@ CPU_ONLY = {
                 ("bf16_bits", "dequantize_row", "f16_next_down", "f16_next_up", "f32_to_f16_bits", "fp8_encode",
                  "kivi_code", "kivi_kpage_group", "kivi_params", "kivi_quantize_kpage", "nl_e8_floor", "pow2f",
                  "quantize_block", "quantize_row", "quantize_row_iq4_nl", "quantize_rows", "roundf_away",
-                 "row_units", "wr_f16", "wr_f32", "wr_u16")} | {
-                "append_seqs": "batched decode's one-call append; the GPU runs a step's sequences one by one"},
+                 "row_units", "wr_f16", "wr_f32", "wr_u16")},
     "matmul": {"Bound": "bind()'s result type: the GPU's bind returns a functools.partial",
                "Fused": "fuse()'s result type: the GPU's fuse returns the weights' tuple",
                "check_weight": "the shared validation: the GPU's prepare_weight calls the CPU's",
                "set_exact": "the GPU always runs float activations"},
     "ops": {"rope_tables": "host-side tables (numpy), moved to the device by the caller",
-            "qkv_prep_seqs": "batched decode's one-call RoPE / smoothing; the GPU runs a step's sequences one by one",
             "rope_yarn_corr_dims": "host-side, part of rope_tables",
             "exp_neg": "an inlined scalar helper of the CPU kernels",
             "rmsnorm_act_row": "a row helper the CPU chain inlines", "add_rmsnorm_act_row": "as rmsnorm_act_row",

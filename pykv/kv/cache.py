@@ -550,11 +550,12 @@ class KVCache:
         return ((l.k_pool, l.v_pool, self._dummy_res, cos, sin, part) + tuple(self._no_kx)
                 + (km, np.array([qmul], np.float32))), idle
 
-    def _foldable(self, li: int) -> bool:
-        """Layer li's decode attention is one the chain runs: keys stored after RoPE with no klt
-        transform, no KIVI ring, no f16 window (its appends and reads stay in KVCache)."""
+    def _foldable(self, li: int, any_backend: bool = False) -> bool:
+        """Layer li's decode attention is one the chain (the CPU's; any_backend: or a batched decode
+        step, decode_group) runs: keys stored after RoPE with no klt transform, no KIVI ring, no f16
+        window (its appends and reads stay in KVCache)."""
         l = self.layers[li]
-        return (self.be.name == "cpu" and not self.k_pre[li] and self.k_xf[li] is None
+        return ((any_backend or self.be.name == "cpu") and not self.k_pre[li] and self.k_xf[li] is None
                 and "kivi" not in (l.k_fmt.kind, l.v_fmt.kind)
                 and not (self.W and (windowed(l.k_fmt) or windowed(l.v_fmt))))
 
@@ -599,11 +600,12 @@ class KVCache:
 
     def decode_group(self, seqs, workers: int):
         """The per-step arrays of batched decode (attend_seqs, append_seqs, qkv_prep_seqs) for a step's
-        one-token sequences, before their tokens are counted; None where a sequence or layer needs the
-        per-sequence path: another backend, a layer _foldable rules out, a capture, a sequence's first
-        token or one that lands in the f16 sink rows."""
-        L = len(self.layers)
-        if self.be.name != "cpu" or self.capture is not None or not all(self._foldable(li) for li in range(L)):
+        one-token sequences, before their tokens are counted (page tables, smoothing and sink rows where
+        the kernels run; positions, meta and items on the host); None where a sequence or layer needs
+        the per-sequence path: a layer _foldable rules out, a capture, a sequence's first token or one
+        that lands in the f16 sink rows."""
+        L, be = len(self.layers), self.be
+        if self.capture is not None or not all(self._foldable(li, True) for li in range(L)):
             return None
         quant = any(f.kind != "float" for l in self.layers for f in (l.k_fmt, l.v_fmt))
         if any(s.n_tokens == 0 or (quant and s.n_tokens < self.NS) for s in seqs):
@@ -619,25 +621,30 @@ class KVCache:
             meta[i] = (s.n_tokens, chunk, off)
             items.append(np.stack([np.full(KVH * C, i), np.arange(KVH * C)], axis=1))
             off += KVH * C * G * (HD + 2)
+        def stack(arrays):      # one (S, ...) array where the kernels run
+            if be.name == "cpu":
+                return np.stack(arrays)
+            return be.to_device(np.stack([be.to_host(a) for a in arrays]))
+
         if quant:
-            sinks = np.stack([s.sink_rows for s in seqs])
+            sinks = stack([s.sink_rows for s in seqs])
         else:       # nothing reads them: zeros of the shape, made once per batch size
             sinks = self._no_sinks.get(S)
             if sinks is None:
-                sinks = self._no_sinks[S] = np.zeros((S,) + seqs[0].sink_rows.shape, np.uint8)
+                sinks = self._no_sinks[S] = be.zeros((S,) + tuple(seqs[0].sink_rows.shape), np.uint8)
         smooth = any(self.k_smooth)
-        return DecodeGroup(np.array([s.n_tokens for s in seqs], np.int64), np.stack([s.page_table for s in seqs]),
-                           meta, np.concatenate(items).astype(np.int32), np.empty(off, np.float32),
-                           np.stack([s.k_shift for s in seqs]) if smooth else self._no_smooth(S, 0.0),
-                           np.stack([s.k_scale for s in seqs]) if smooth else self._no_smooth(S, 1.0), sinks)
+        return DecodeGroup(np.array([s.n_tokens for s in seqs], np.int64), stack([s.page_table for s in seqs]),
+                           meta, np.concatenate(items).astype(np.int32), be.zeros(off, np.float32),
+                           stack([s.k_shift for s in seqs]) if smooth else self._no_smooth(S, 0.0),
+                           stack([s.k_scale for s in seqs]) if smooth else self._no_smooth(S, 1.0), sinks)
 
-    def _no_smooth(self, S: int, value: float) -> np.ndarray:
+    def _no_smooth(self, S: int, value: float):
         """Identity key smoothing rows (S, L, KVH, HD) of a batch size (kept: no layer smooths)."""
         key = (S, value)
         a = self._no_sinks.get(key)
         if a is None:
-            a = self._no_sinks[key] = np.full((S, self.cfg.n_layers, self.cfg.n_kv_heads, self.cfg.head_dim), value,
-                                              np.float32)
+            a = self._no_sinks[key] = self.be.to_device(
+                np.full((S, self.cfg.n_layers, self.cfg.n_kv_heads, self.cfg.head_dim), value, np.float32))
         return a
 
     def append_seqs(self, li: int, grp: "DecodeGroup", k, v) -> None:

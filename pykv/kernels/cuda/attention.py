@@ -262,6 +262,21 @@ def _check(HD, G):
                         f"(got head_dim {HD}, {G})")
 
 
+def attend_seqs(q, kpool, vpool, kres, vres, sinks, li, ns_k, ns_v, page_tables, meta, items, P, kcode, kbits,
+                vcode, rcode, part, out, kx=None, cos=None, sin=None) -> None:
+    """attention.attend_seqs on the device: attend's launch per sequence of a batched decode step, q (S, 1,
+    H, HD) -> out (S, 1, H, HD); meta (host) as the CPU's (n_past, chunk, offset of its partials in the
+    flat part); items unused (one launch covers a sequence's items)."""
+    KVH, H, HD = kpool.shape[0], q.shape[2], q.shape[3]
+    G = H // KVH
+    for s in range(q.shape[0]):
+        n_past, chunk, off = (int(x) for x in meta[s])
+        C = (n_past + chunk) // chunk
+        ps = part[off:off + KVH * C * G * (HD + 2)].reshape((1, KVH, C, G, HD + 2))
+        attend(q[s], kpool, vpool, kres, vres, sinks[s, li, 0], sinks[s, li, 1], page_tables[s], n_past, ns_k, ns_v,
+               n_past + 1, n_past + 1, 0, 0, P, kcode, kbits, vcode, rcode, chunk, ps, out[s], kx, cos, sin)
+
+
 def attend(q, kpool, vpool, kres, vres, ksink, vsink, page_table, n_past, ns_k, ns_v, nq_k, nq_v, wk, wv, P,
            kcode, kbits, vcode, rcode, chunk, part, out, kx=None, cos=None, sin=None) -> None:
     """q (T, H, HD) f32, already scaled by 1/sqrt(HD); out (T, H, HD) f32; the CPU attend's arguments

@@ -44,6 +44,14 @@ def append_rows(x, pool, page_table, start, P, code) -> None:
     _append_kernel[blocks_for(T * KVH * NU, TPB), TPB](x, pool, page_table, start, P, code, NU)
 
 
+def append_seqs(k, v, kpool, vpool, page_tables, pos, P, kcode, vcode) -> None:
+    # kvquant.append_seqs on the device: append_rows's launches per sequence of a batched decode step
+    # (row s at token pos[s] (host) through page_tables[s])
+    for s in range(k.shape[0]):
+        append_rows(k[s:s + 1], kpool, page_tables[s], int(pos[s]), P, kcode)
+        append_rows(v[s:s + 1], vpool, page_tables[s], int(pos[s]), P, vcode)
+
+
 @cuda.jit
 def _residual_kernel(x, res, start, P, rcode, NU):
     i = cuda.grid(1)

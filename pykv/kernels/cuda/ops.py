@@ -212,6 +212,14 @@ def qkv_prep(q, k, v, pos0, cos, sin, n_rot, do_rope, shift, scale, smooth, sign
                                           bool(smooth), sign, bool(rotate), f32(qmul))
 
 
+def qkv_prep_seqs(q, k, v, pos, cos, sin, n_rot, shift, scale, li, smooth, sign, rotate, qmul) -> None:
+    """ops.qkv_prep_seqs on the device: qkv_prep's launch per sequence of a batched decode step (row s at
+    position pos[s] (host), its smoothing shift[s, li], scale[s, li])."""
+    for s in range(q.shape[0]):
+        qkv_prep(q[s:s + 1], k[s:s + 1], v[s:s + 1], int(pos[s]), cos, sin, n_rot, True, shift[s, li], scale[s, li],
+                 smooth, sign, rotate, qmul)
+
+
 @cuda.jit(device=True, inline=True)
 def _row_dot(m, g, i, v, HD):
     # row i of m[g] (HD x HD) . v (HD,)
