@@ -258,3 +258,32 @@ def test_engine_runs_the_model_on_its_thread_with_the_models_thread_count():
     finally:
         e.stop()
     assert seen and set(seen) == {("pykv-engine", 1)}
+
+
+def test_engine_logits_processor_per_request():
+    """A request's logits processor sees its own rows only; one that fails ends its own request."""
+    m = pykv.load(None, n_ctx=256, max_seqs=3)
+    ids = m.tokenize("Once upon a time")
+    plain = "".join(m.generate(ids, max_tokens=6, temperature=0))
+    banned = int(np.argmax(m.eval(m.new_sequence(), ids)[0]))      # greedy's first token
+    first = m.detokenize([banned])
+
+    def ban(history, row):
+        row[banned] = -np.inf
+        return row
+
+    def boom(history, row):
+        raise RuntimeError("no")
+    e = Engine(m, parallel=3).start()
+    try:
+        seen = []
+        got = _collect(e, [(ids, dict(max_tokens=6, temperature=0,
+                                      logits_processor=lambda h, row: (seen.append(len(h)), ban(h, row))[1])),
+                           (ids, dict(max_tokens=6, temperature=0)),
+                           (ids, dict(max_tokens=6, temperature=0, logits_processor=boom))])
+    finally:
+        e.stop()
+    assert got[1]["text"] == plain and plain.startswith(first)     # the others: untouched
+    assert not got[0]["text"].startswith(first) and got[0]["text"]
+    assert seen[0] == len(ids) and len(seen) == 6
+    assert got[2]["done"]["finish_reason"] == "error" and "RuntimeError" in got[2]["done"]["error"]

@@ -64,6 +64,7 @@ class Request:
     cancelled: bool = False
     done: bool = False
     ignore_eos: bool = False      # end-of-generation tokens do not end it (benchmarks: exactly max_tokens)
+    processor: object = None      # logits_processor(history, logits) -> logits, or None
 
 
 @dataclass
@@ -201,9 +202,11 @@ class Engine:
     # ---- the caller's side (any thread) -------------------------------------------------------
     def submit(self, ids, on_event, max_tokens: int | None = 16, temperature: float = 0.8, top_k: int = 40,
                top_p: float = 0.95, min_p: float = 0.05, repeat_penalty: float = 1.0, seed=None, stop=(),
-               logprobs: int | None = None, ignore_eos: bool = False) -> Request:
+               logprobs: int | None = None, ignore_eos: bool = False, logits_processor=None) -> Request:
         """Queue a request for prompt ids; raises PykvError (it can never fit: the context or the
-        pool), QueueFull or EngineClosed at once, else events follow on the engine thread."""
+        pool), QueueFull or EngineClosed at once, else events follow on the engine thread.
+        logits_processor(history, logits) -> logits: applied to each of its rows before sampling
+        (history: the prompt and the tokens so far; logits: a float32 (V,) copy it may change in place)."""
         m = self.model
         ids = [int(i) for i in ids]
         if not ids:
@@ -220,7 +223,7 @@ class Engine:
             raise PykvError(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceed the context "
                             f"size {m.n_ctx}")
         r = Request(ids, max_new, make_sampler(m, temperature, top_k, top_p, min_p, repeat_penalty, seed),
-                    stop_list(stop), logprobs, on_event, ignore_eos=bool(ignore_eos))
+                    stop_list(stop), logprobs, on_event, ignore_eos=bool(ignore_eos), processor=logits_processor)
         r.need = math.ceil((len(ids) + max_new) / self.cache.P)
         if r.need > self.cache.n_pages:
             raise PykvError(f"the KV budget holds {self.cache.capacity_tokens()} tokens; this request needs "
@@ -405,6 +408,14 @@ class Engine:
 
     def _sample(self, r: Request, row: np.ndarray, now: float) -> None:
         m = self.model
+        if r.processor is not None:      # its failure ends its own request only
+            try:
+                row = np.asarray(r.processor(r.history, row), np.float32)
+                if row.shape != (m.n_vocab,):
+                    raise ValueError(f"it returned shape {row.shape}, not ({m.n_vocab},)")
+            except Exception as e:
+                self._finish(r, "error", f"logits processor: {type(e).__name__}: {e}")
+                return
         tid = r.sampler.pick(row, r.history, r.sampler.draw())
         if r.t_first is None:
             r.t_first = now
