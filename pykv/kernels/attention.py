@@ -59,7 +59,7 @@ from pykv.kernels.simd import bits_f32, gemm_tile, prefetch
 TILE = 32          # keys per segment (the f32 K and V tiles: TILE x HD floats each)
 PF_AHEAD = 2       # segments ahead whose pool rows are prefetched
 QBLOCK = 8         # query tokens per work item in prefill
-_Z = np.int64(0)
+_Z = np.int64(0)    # a constant int64 argument (a literal 0 would compile a second _item / merge_row)
 SERIAL_KEYS = 384  # decode steps with at most this many (keys x KV heads) run on the calling thread
 _FM = {"reassoc", "contract", "nsz", "arcp"}   # no nnan / ninf: -inf is a real state here
 
@@ -707,8 +707,9 @@ def attend_seqs(q, kpool, vpool, kres, vres, sinks, li, ns_k, ns_v, page_tables,
     q (S, 1, H, HD) -> out (S, 1, H, HD).  Sequence s: sinks[s, li, 0 | 1] its f16 sink rows (KVH, NS,
     2*HD) of keys / values (ns_k / ns_v of them read), page_tables[s], meta[s] = (n_past, chunk, offset
     of its partials (1, KVH, C, G, HD + 2) in the flat part); items (N, 2): (s, work item of its attend).
-    The items and the merge run attend's own code (_work, _merge) with the sequence's chunk, so each
-    sequence gets the bits of its own decode step.  kres / vres: unread rows (no ring here)."""
+    The items and the merge run attend's own code (_item's decode specialization, merge_row) with the
+    sequence's chunk, so each sequence gets the bits of its own decode step.  kres / vres: unread rows
+    (no ring here)."""
     S, H, HD = q.shape[0], q.shape[2], q.shape[3]
     KVH = kpool.shape[0]
     G = H // KVH
@@ -729,8 +730,6 @@ def attend_seqs(q, kpool, vpool, kres, vres, sinks, li, ns_k, ns_v, page_tables,
         C = (n_past + chunk) // chunk
         ps = part[off:off + KVH * C * G * (HD + 2)].reshape((1, KVH, C, G, HD + 2))
         merge_row(ps, C, G, _Z, out[s])
-
-
 
 
 @njit(cache=True, nogil=True, fastmath=_FM)

@@ -67,9 +67,9 @@ from pykv.files.formats import (CODE_BF16, CODE_F16, CODE_F32, CODE_FP8_E4M3, CO
                        CODE_INT4, CODE_IQ4_NL, CODE_Q4_0, CODE_Q4_1, CODE_Q5_0, CODE_Q5_1, CODE_Q8_0)
 from pykv.kernels.blocks import IQ4NL_F, NL_BYTES, NL_SCALE, deq_rows, nl_e8, nl_level, nl_offset, nl_width, rd_f16
 from pykv.kernels.ops import PAR_T
+from pykv.kernels.simd import bits_f32, f32_bits, floorf, fmul_rn, h2f
 
 PAR_SEQ_VALUES = 1 << 15   # append_seqs: K values per step from which its rows run in parallel
-from pykv.kernels.simd import bits_f32, f32_bits, floorf, fmul_rn, h2f
 
 # ----------------------------------------------------------------------------------------------
 # bit casts and scalar helpers
