@@ -9,14 +9,6 @@ from pykv.cli.args import _model_args, load_from_args
 from pykv.files.config import PykvError
 
 
-class _Stopped(Exception):
-    pass
-
-
-def _stopped(signum, frame):
-    raise _Stopped
-
-
 def cmd_serve(args) -> int:
     try:
         import prometheus_client  # noqa: F401
@@ -50,15 +42,19 @@ def cmd_serve(args) -> int:
                          prefix_cache=not args.no_prefix_cache, model_name=name, on_listen=listening,
                          log_level=args.log_level, max_tokens_limit=args.max_tokens_limit,
                          default_max_tokens=args.n_predict, sock=sock)
-    # uvicorn re-raises the signal it shut down for once it is done: a clean stop either way
-    old = signal.signal(signal.SIGTERM, _stopped) if threading.current_thread() is threading.main_thread() else None
+    # uvicorn handles SIGINT / SIGTERM while it serves (the first drains, a second quits), then restores
+    # the handlers it found and raises the signal again: handlers that only note it make that a clean stop
+    # (the CLI's own SIGINT handler would raise KeyboardInterrupt inside uvicorn's loop: a traceback)
+    old = {}
+    if threading.current_thread() is threading.main_thread():
+        old = {sig: signal.signal(sig, lambda signum, frame: None) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         server.run()
-    except (KeyboardInterrupt, _Stopped):
+    except KeyboardInterrupt:
         pass
     finally:
-        if old is not None:
-            signal.signal(signal.SIGTERM, old)
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
     print("pykv: server stopped", file=sys.stderr, flush=True)
     return 0
 

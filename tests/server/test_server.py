@@ -338,7 +338,30 @@ def test_the_serve_command_drains_a_stream_on_sigint():
         last = json.loads(chunks[-2])
         assert last["choices"][0]["finish_reason"] == "length" and last["usage"]["completion_tokens"] == 48
         assert p.wait(30) == 0
-        assert "pykv: server stopped" in p.stderr.read()
+        err = p.stderr.read()
+        assert "pykv: server stopped" in err and "Traceback" not in err, err
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_the_serve_command_stops_cleanly_when_idle(sig):
+    """No request in flight: the signal stops it at once, exit 0, one line, no traceback."""
+    p = subprocess.Popen([sys.executable, "-m", "pykv", "serve", "-c", "256", "--port", "0", "--parallel", "1"],
+                         stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
+    try:
+        line = p.stderr.readline()
+        while line.startswith(("pykv: compiling", "pykv: loading", "pykv: fetching")):
+            line = p.stderr.readline()
+        assert line.startswith("pykv: serving "), line
+        url = line.split(" on ")[1].split()[0]
+        assert httpx.get(url + "/health", timeout=30).status_code == 200
+        p.send_signal(sig)
+        assert p.wait(30) == 0
+        err = p.stderr.read()
+        assert err.strip() == "pykv: server stopped", err
     finally:
         if p.poll() is None:
             p.kill()
