@@ -14,7 +14,6 @@ freed when admission needs their room.
 from __future__ import annotations
 
 import hashlib
-import itertools
 import math
 import threading
 import time
@@ -23,9 +22,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pykv.api.generate import _stop_cut, make_sampler, stop_list
+from pykv.api.generate import StopText, make_sampler, stop_list
 from pykv.files.config import PykvError
-from pykv.files.tokenizer import StreamDecoder
 
 
 class QueueFull(PykvError):
@@ -49,16 +47,13 @@ class Request:
     stops: list
     logprobs: int | None
     on_event: object
-    rid: int = 0
     seq: object = None
     fed: int = 0                  # prompt tokens in the cache (reused prefix included)
     cached: int = 0               # prompt tokens reused from the prefix cache
-    shared: int = 0               # pages shared from the prefix cache
     need: int = 0                 # pages the request may hold at most (prompt + max_new)
     history: list = field(default_factory=list)
     gen: int = 0
-    pending: str = ""
-    dec: object = None
+    text: object = None           # its StopText
     t_submit: float = 0.0
     t_first: float | None = None
     cancelled: bool = False
@@ -192,10 +187,8 @@ class Engine:
         self.thread = None
         self.closing = False
         self.error = None
-        self._ids = itertools.count(1)
         self.counters = {"requests": 0, "prompt_tokens": 0, "cached_tokens": 0, "prefix_hits": 0,
                          "generated_tokens": 0, "steps": 0, "rejected": 0}
-        self.ttft: deque = deque(maxlen=1024)     # seconds, the newest requests
         self.recent: deque = deque(maxlen=256)    # (time, tokens) of the newest steps
         self.peak_running = 0
 
@@ -235,8 +228,8 @@ class Engine:
             if len(self.queue) >= self.max_queue:
                 self.counters["rejected"] += 1
                 raise QueueFull(f"{len(self.queue)} requests are waiting already (the queue is full)")
-            r.rid, r.t_submit = next(self._ids), time.perf_counter()
-            r.history, r.dec = list(ids), StreamDecoder(m.tokenizer)
+            r.t_submit = time.perf_counter()
+            r.history, r.text = list(ids), StopText(m.tokenizer, r.stops)
             self.queue.append(r)
             self.counters["requests"] += 1
             self.cond.notify()
@@ -333,7 +326,6 @@ class Engine:
             r.seq = c.new_sequence()
             if self.prefix is not None and chain:
                 r.fed = r.cached = self.prefix.attach(r.seq, chain)
-                r.shared = len(chain)
                 self.counters["cached_tokens"] += r.cached
                 self.counters["prefix_hits"] += 1
             self.counters["prompt_tokens"] += len(r.ids)
@@ -363,10 +355,9 @@ class Engine:
             return
         r.done = True
         if reason in ("stop", "length"):
-            r.pending += r.dec.flush()
-            n, _ = _stop_cut(r.pending, r.stops)
-            if r.pending[:n]:
-                self._emit(r, {"type": "token", "text": r.pending[:n], "token": None, "logprob": None,
+            rest = r.text.flush()
+            if rest:
+                self._emit(r, {"type": "token", "text": rest, "token": None, "logprob": None,
                                "top_logprobs": None})
         usage = {"prompt_tokens": len(r.ids), "completion_tokens": r.gen, "total_tokens": len(r.ids) + r.gen,
                  "prompt_tokens_details": {"cached_tokens": r.cached}}
@@ -419,7 +410,6 @@ class Engine:
         tid = r.sampler.pick(row, r.history, r.sampler.draw())
         if r.t_first is None:
             r.t_first = now
-            self.ttft.append(now - r.t_submit)
         r.history.append(tid)
         if m.tokenizer.is_eog(tid) and not r.ignore_eos:
             self._finish(r, "stop")
@@ -435,12 +425,9 @@ class Engine:
                 best = np.argpartition(-ls, k - 1)[:k]
                 best = best[np.argsort(-ls[best], kind="stable")]
                 top = [(int(i), m.tokenizer.decode([int(i)]), float(ls[i])) for i in best]
-        r.pending += r.dec.feed(tid)
-        n, stopped = _stop_cut(r.pending, r.stops)
-        self._emit(r, {"type": "token", "text": r.pending[:n], "token": tid, "logprob": lp, "top_logprobs": top})
-        r.pending = r.pending[n:]
+        piece, stopped = r.text.feed(tid)
+        self._emit(r, {"type": "token", "text": piece, "token": tid, "logprob": lp, "top_logprobs": top})
         if stopped:
-            r.pending = ""
             self._finish(r, "stop")
         elif r.gen >= r.max_new or r.seq.n_tokens >= m.n_ctx:
             self._finish(r, "length")

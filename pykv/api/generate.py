@@ -27,6 +27,28 @@ def _stop_cut(text: str, stops) -> tuple[int, bool]:
     return len(text) - hold, False
 
 
+class StopText:
+    """A token stream's text with stop strings: feed(tid) -> (text safe to emit now, stopped), holding
+    back a tail that may begin a stop string (they match across token boundaries); flush() -> what is
+    left at the end.  Used by sample_loop and by the engine's requests."""
+
+    def __init__(self, tokenizer, stops):
+        self.dec, self.stops, self.pending = StreamDecoder(tokenizer), stops, ""
+
+    def feed(self, tid: int) -> tuple[str, bool]:
+        self.pending += self.dec.feed(tid)
+        n, stopped = _stop_cut(self.pending, self.stops)
+        out = self.pending[:n]
+        self.pending = "" if stopped else self.pending[n:]
+        return out, stopped
+
+    def flush(self) -> str:
+        self.pending += self.dec.flush()
+        n, _ = _stop_cut(self.pending, self.stops)
+        out, self.pending = self.pending[:n], ""
+        return out
+
+
 def stop_list(stop) -> list[str]:
     """`stop` as a list of non-empty strings (a str, a sequence of str, or None)."""
     return [s for s in ([stop] if isinstance(stop, str) else (stop or ())) if s]
@@ -58,8 +80,7 @@ def sample_loop(model, seq, feed, history, sampler, max_tokens, stops, stats):
     across token boundaries). Sets stats['prompt_s'] (feed and first sample), stats['gen_tokens']
     (excluding an end-of-generation token), stats['gen_s'] and stats['finish_reason']: 'stop'
     (end-of-generation token or stop string) or 'length' (max_tokens, or the context is full)."""
-    dec = StreamDecoder(model.tokenizer)
-    pending, finish = "", "length"
+    text, finish = StopText(model.tokenizer, stops), "length"
     c0, t0 = compile_seconds(), time.perf_counter()
 
     def took():   # seconds since t0, Numba compiles excluded (speeds report the kernels, not the JIT)
@@ -82,13 +103,11 @@ def sample_loop(model, seq, feed, history, sampler, max_tokens, stops, stats):
             finish = "stop"
             break
         stats["gen_tokens"] += 1
-        pending += dec.feed(tid)
-        n, stopped = _stop_cut(pending, stops)
-        if n:
-            yield pending[:n]
-        pending = pending[n:]
+        piece, stopped = text.feed(tid)
+        if piece:
+            yield piece
         if stopped:
-            pending, finish = "", "stop"
+            finish = "stop"
             break
     if max_tokens <= 0 and len(feed):    # nothing to sample: still run the prompt into the cache
         model.eval(seq, feed)
@@ -96,10 +115,9 @@ def sample_loop(model, seq, feed, history, sampler, max_tokens, stops, stats):
     else:
         stats["gen_s"] = took()
     stats["finish_reason"] = finish
-    pending += dec.flush()
-    n, _ = _stop_cut(pending, stops)
-    if pending[:n]:
-        yield pending[:n]
+    piece = text.flush()
+    if piece:
+        yield piece
 
 
 def generate(model, prompt, max_tokens=128, temperature=0.8, top_k=40, top_p=0.95, min_p=0.05,

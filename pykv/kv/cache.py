@@ -666,8 +666,9 @@ class KVCache:
         """One decode query per sequence (their newest token, already appended): q (S, H, HD) -> out
         (S, H, HD) through kernels' attend_batch, one launch for all S sequences; part (S, KVH, C, G,
         HD + 2) with C >= ceil(max n_tokens / chunk).  The sequences' f16 sink / residual rows and
-        page tables are stacked into (S, ...) arrays here, a staging copy per call (fine for the
-        bandwidth benchmark; batched serving will keep them in per-slot pools instead)."""
+        page tables are stacked into (S, ...) arrays here, a staging copy per call: the GPU bandwidth
+        benchmark's entry (tools/gpu_check.py, the cuda twin's one launch); batched decode goes through
+        decode_group / attend_seqs, which stack once per step and keep each sequence's own chunk."""
         l, be = self.layers[li], self.be
         if self.k_pre[li]:
             raise PykvError("batched decode does not support pre-RoPE keys yet (load with kv_prerope=False)")

@@ -313,11 +313,6 @@ class _Api:
                            param=param, code="context_length_exceeded")
 
     def _submit(self, ids, call: _Call, max_tokens: int, sampling: dict, stops, logprobs) -> None:
-        c = self.model.cache
-        if math.ceil((len(ids) + max_tokens) / c.P) > c.n_pages:
-            raise ApiError(400, f"the prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) do not fit the KV "
-                           f"pool ({c.capacity_tokens()} tokens); ask for fewer tokens", param="max_tokens",
-                           code="context_length_exceeded")
         try:
             call.req = self.engine.submit(ids, call.on_event, max_tokens=max_tokens, stop=stops, logprobs=logprobs,
                                           **sampling)
@@ -326,8 +321,9 @@ class _Api:
                            headers={"Retry-After": "1"}) from None
         except EngineClosed as e:
             raise ApiError(503, str(e), "server_error", code="server_unavailable") from None
-        except PykvError as e:
-            raise ApiError(400, str(e)) from None
+        except PykvError as e:       # what the fields' checks leave: prompt + max_tokens past the KV pool
+            raise ApiError(400, f"{e}; ask for fewer tokens", param="max_tokens",
+                           code="context_length_exceeded") from None
 
     def _cancel(self, call: _Call) -> None:
         if call.req is not None and not call.done:
