@@ -207,8 +207,69 @@ def test_kv_bits_load_uses_cached_table(tiny_path, tmp_path, monkeypatch):
     t = json.loads(files[0].read_text())
     t["k"] = [[9.0] * len(t["types"])] * 3   # a changed cached table changes the next plan: it is used
     files[0].write_text(json.dumps(t))
+    plans = list((tmp_path / "cache" / "kv_plans").glob("*.json"))
+    assert len(plans) == 1                   # the plan itself is cached: the next load measures nothing
+    m1 = pykv.load(tiny_path, n_ctx=64, kv_bits=6.0, kv_calib=str(calib), q8_act=False)
+    assert m1.kv_plan["cached"] and (m1.kv_plan["ctk"], m1.kv_plan["ctv"]) == (plan["ctk"], plan["ctv"])
+    plans[0].unlink()
     m2 = pykv.load(tiny_path, n_ctx=64, kv_bits=6.0, kv_calib=str(calib), q8_act=False)
     assert m2.kv_plan["kl_estimate"] != plan["kl_estimate"]
+    assert not m2.kv_plan.get("cached")
+
+
+def test_probe_scores_a_stride_of_positions(tiny, monkeypatch):
+    """With fewer scored positions than tokens, a probe's KL is the full run's KL at exactly those
+    positions (every third one here)."""
+    from pykv.api.evaluate import log_softmax
+    monkeypatch.setattr(KP, "KL_POSITIONS", 16)
+    pr = KP._Prober(tiny, IDS)
+    assert list(pr.pos) == list(range(2, len(IDS), 3))
+    kt = ["f16", "nl2", "q4_0"]
+    fast = pr.kl(kt, "f16", l0=1)
+    tiny.set_kv_types("f16", "f16", kv_rotate=True)
+    lb = log_softmax(tiny.eval(tiny.new_sequence(), IDS, all_logits=True))[pr.pos]
+    tiny.set_kv_types(kt, "f16", kv_rotate=True)
+    lp = log_softmax(tiny.eval(tiny.new_sequence(), IDS, all_logits=True))[pr.pos]
+    full = float((np.exp(lb) * (lb - lp)).sum(1).mean())
+    assert fast > 0
+    assert fast == pytest.approx(full, rel=1e-4, abs=1e-9)
+
+
+def test_auto_choices_follow_the_budget(tiny):
+    """--kv-bits alone: the candidates narrow with the target, and the q8_0 window shrinks until the
+    cheapest candidate in every layer plus the window fits the budget (none when nothing is left)."""
+    cfg, n = tiny.config, 512
+    assert KP.auto_types(4.5) == KP.AUTO_TYPES[1][1] and KP.auto_types(2.5) == ("nl2", "nl2b")
+    assert "q8_0" in KP.auto_types(6.0) and "q8_0" not in KP.auto_types(3.0)
+    types = KP.auto_types(2.5)
+    L = cfg.n_layers
+    floor = KP.plan_bytes(cfg, ["nl2b"] * L, ["nl2b"] * L, n)
+    assert KP.auto_window(cfg, n, KP.bits_to_bytes(cfg, 8.0), types) == min(KP.AUTO_WINDOW, n // 8)
+    assert KP.auto_window(cfg, n, floor, types) == 0
+    row = KP.plan_bytes(cfg, ["nl2b"] * L, ["nl2b"] * L, n, window=1, window_type="q8_0") - floor
+    w = KP.auto_window(cfg, n, floor + 10.5 * row, types)
+    assert w == 10
+    assert KP.plan_bytes(cfg, ["nl2b"] * L, ["nl2b"] * L, n, window=w, window_type="q8_0") <= floor + 10.5 * row
+
+
+def test_cli_prints_the_plan_in_one_line_and_the_table_with_verbose(tiny_path, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("PYKV_CACHE", str(tmp_path / "cache"))
+    text = tmp_path / "t.txt"
+    text.write_text("the theory of the thing, then the other, " * 20)
+    calib = tmp_path / "calib.txt"
+    calib.write_text("a cat sat on a mat and then the dog ran off. " * 8)
+    args = ["perplexity", tiny_path, str(text), "-c", "64", "--kv-bits", "4.5", "--kv-calib", str(calib)]
+    assert main(args) == 0
+    err = capsys.readouterr().err.splitlines()
+    plan_lines = [e for e in err if e.startswith("KV plan:")]
+    assert len(plan_lines) == 1 and "bits/value" in plan_lines[0] and "window" in plan_lines[0]
+    assert any(e.startswith("pykv: KV plan for 4.5 bits/value:") and "calibration runs" in e for e in err)  # piped
+    assert not any(e.startswith("layer") for e in err)
+    assert main(args + ["--verbose"]) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert "(cached)" in [e for e in err if e.startswith("KV plan:")][0]
+    i = err.index("layer  K        V")
+    assert [e.split()[0] for e in err[i + 1:i + 4]] == ["0", "1", "2"]
 
 
 def test_cli_kv_sensitivity_estimate(tiny_path, tmp_path, capsys, monkeypatch):

@@ -31,8 +31,20 @@ from pykv.kv.transform import default_calib_text, fingerprint
 from pykv.files.formats import KV_FORMATS, kv_bytes_per_token_head, parse_kv_type
 
 DEFAULT_TYPES = ("q8_0", "q5_1", "q5_0", "q4_1", "q4_0", "iq4_nl", "nl4", "nl3", "nl3b", "nl2", "nl2b")
+# what an automatic plan (--kv-bits alone) tries, by the target's bits per value: the candidates the
+# research runs of docs/kv-formats.md chose from at 4.5, 3 and 2.5 bits (tools/kv_auto.py)
+AUTO_TYPES = ((5.0, ("q8_0", "q5_1", "q5_0", "q4_1", "q4_0", "iq4_nl", "nl4", "nl3b")),
+              (4.0, ("q4_0", "iq4_nl", "nl4", "nl3", "nl3b", "nl2b")),
+              (2.75, ("nl3", "nl3b", "nl2", "nl2b")),
+              (0.0, ("nl2", "nl2b")))
+AUTO_WINDOW = 64          # newest tokens an automatic plan keeps as q8_0 rows (fewer when the bytes run out)
+AUTO_WINDOW_TYPE = "q8_0"
+AUTO_GROUPS = 6           # sensitivity probes per side: layers in runs of L / 6
+AUTO_REFINE = 1
 CALIB_TOKENS = 512   # kv-sensitivity's default; plans calibrate at the model's context (plan_for)
-PLAN_VERSION = 3     # 2: query-aware key smoothing, pre-RoPE keys; 3: klt keys probed per layer group
+PLAN_VERSION = 4     # 2: query-aware key smoothing, pre-RoPE keys; 3: klt keys probed per layer group;
+                     # 4: KL over a stride of positions (KL_POSITIONS)
+KL_POSITIONS = 256   # a probe's KL is the mean over about this many positions, evenly spaced
 N_SINK = 4           # kv_cache.N_SINK (the default sink rows)
 _UNIT = 4          # knapsack cost unit: 1/4 byte per token
 
@@ -117,9 +129,12 @@ class _Prober:
             raise PykvError(f"calibration: {len(self.ids)} tokens exceed the context {model.n_ctx}")
         L = model.config.n_layers
         model.set_kv_types("f16", "f16", kv_rotate=True)   # rotation as every quantized plan runs it
+        step = max(1, len(self.ids) // KL_POSITIONS)          # the head and KL on every step-th position only:
+        self.pos = np.arange(step - 1, len(self.ids), step)   # each probe's cost is then mostly its layers
         self.snap = []   # per batch: (x (L, T, D), o (L, T, D)) at each layer's input
-        self.base = self._run(0, record=True)              # (N, V) log-probabilities
+        self.base = self._run(0, record=True)              # (len(pos), V) log-probabilities
         self.L = L
+        self.tick = None    # called after each kl() (planning progress)
 
     def _batches(self):
         s, n = 0, len(self.ids)
@@ -134,7 +149,7 @@ class _Prober:
         from pykv.kernels.ops import rmsnorm
         m, st, L = self.m, self.m.state, self.m.config.n_layers
         seq = m.new_sequence()
-        out = np.zeros((len(self.ids), m.n_vocab), np.float32)
+        out = np.zeros((len(self.pos), m.n_vocab), np.float32)
         for b, (s, e) in enumerate(self._batches()):
             T = e - s
             m.cache.reserve(seq, T)
@@ -149,22 +164,28 @@ class _Prober:
                     x[li], o[li] = st.x[:T], st.o[:T]
                 m._layer(li, [(seq, 0, T, m.cache.chunk_for(seq.n_tokens + T, T, m.be.workers()))], T)
             seq.n_tokens += T
-            # the output head, as Model._batch computes it
-            rmsnorm(st.x[:T], m.weights.output_norm, m.config.norm_eps, st.h[:T])
-            st.act_d.set(st.h[:T])
-            mm.matmul(m.weights.output, st.act_d, st.logits[:T])
-            out[s:e] = st.logits[:T]
+            # the output head, as Model._batch computes it, at the scored positions of this batch
+            a, z = np.searchsorted(self.pos, [s, e])
+            if z > a:
+                n = int(z - a)
+                rmsnorm(np.ascontiguousarray(st.x[self.pos[a:z] - s]), m.weights.output_norm, m.config.norm_eps,
+                        st.h[:n])
+                st.act_d.set(st.h[:n])
+                mm.matmul(m.weights.output, st.act_d, st.logits[:n])
+                out[a:z] = st.logits[:n]
         return _log_softmax(out)
 
     def kl(self, k_types, v_types, l0: int = 0) -> float:
-        """Mean KL(f16 || this plan) per position; l0: the first layer whose types differ from f16."""
+        """Mean KL(f16 || this plan) over the scored positions; l0: the first layer whose types differ from f16."""
         m = self.m
         m.set_kv_types(k_types, v_types, kv_rotate=True, **self.opts)
         if m.cache.kivi_batch_limit(0) is not None:   # KIVI batches stop at pages: a whole ordinary run
-            lp = _log_softmax(m.eval(m.new_sequence(), self.ids, all_logits=True))
+            lp = _log_softmax(m.eval(m.new_sequence(), self.ids, all_logits=True)[self.pos])
         else:
             lp = self._run(l0)
         lb = self.base
+        if self.tick is not None:
+            self.tick()
         return float(max(0.0, (np.exp(lb) * (lb - lp)).sum(1).mean()))
 
 
@@ -173,7 +194,7 @@ def _one(L, l, t, rest="f16"):
 
 
 def measure(model, ids, types=DEFAULT_TYPES, exact: bool = False, progress=None, window: int = 0,
-            sinks: int = N_SINK, group: int = 1, window_type: str = "f16") -> dict:
+            sinks: int = N_SINK, group: int = 1, window_type: str = "f16", prober=None) -> dict:
     """The sensitivity table: {"types", "k": [[KL per type] per layer], "v": ..., "method", "uniform",
     "kv_window", "kv_sinks"}. `model` runs with float activations and n_ctx >= len(ids); every probe
     runs with that window and sink count.  group > 1 (estimate only): one probe per run of `group`
@@ -181,13 +202,12 @@ def measure(model, ids, types=DEFAULT_TYPES, exact: bool = False, progress=None,
     types = [parse_kv_type(t).name for t in types]
     if not types:
         raise PykvError("kv-sensitivity: no candidate types")
-    pr = _Prober(model, ids, window, sinks, window_type)
+    pr = _Prober(model, ids, window, sinks, window_type) if prober is None else prober
     L = pr.L
     fr = {"k": lambda l, t: (_one(L, l, t), "f16"), "v": lambda l, t: ("f16", _one(L, l, t))}
     group = 1 if exact else max(1, int(group))
     starts = list(range(0, L, group))
-    n_klt = sum(parse_kv_type(t).kind == "klt" for t in types)
-    n_runs = 2 * L * len(types) if exact else 2 * len(starts) + 2 * len(types) + n_klt * len(starts)
+    n_runs = _n_runs(L, types, exact, group)
     done = 0
 
     def tick():
@@ -242,7 +262,7 @@ def measure(model, ids, types=DEFAULT_TYPES, exact: bool = False, progress=None,
 
 def sensitivity(model_path, ids, types=DEFAULT_TYPES, exact: bool = False, use_cache: bool = True,
                 progress=None, model=None, window: int = 0, sinks: int = N_SINK, group: int = 1,
-                window_type: str = "f16") -> dict:
+                window_type: str = "f16", prober=None) -> dict:
     """The sensitivity table for this model and calibration ids, from the cache when it was measured
     before (keyed by model fingerprint, ids, types, method, window and sinks)."""
     from pykv.api.model import load
@@ -251,7 +271,7 @@ def sensitivity(model_path, ids, types=DEFAULT_TYPES, exact: bool = False, use_c
     pre = None if model is None else model._kv_opts.get("k_prerope")   # None: the default (on, CPU)
     key = hashlib.sha256(json.dumps([PLAN_VERSION, fingerprint(model_path), list(map(int, ids)), types,
                                      bool(exact), int(window), int(sinks), int(group), window_type,
-                                     kv_cache.SMOOTH_MODE, pre]).encode()).hexdigest()[:24]
+                                     kv_cache.SMOOTH_MODE, pre, KL_POSITIONS]).encode()).hexdigest()[:24]
     path = os.path.join(_cache_dir(), key + ".json")
     if use_cache and os.path.exists(path):
         try:
@@ -262,7 +282,7 @@ def sensitivity(model_path, ids, types=DEFAULT_TYPES, exact: bool = False, use_c
     if model is None:
         model = load(model_path, n_ctx=max(len(ids), 32), q8_act=False)
     table = measure(model, ids, types, exact=exact, progress=progress, window=window, sinks=sinks, group=group,
-                    window_type=window_type)
+                    window_type=window_type, prober=prober)
     table["fingerprint"] = fingerprint(model_path)
     if use_cache:
         try:
@@ -331,22 +351,36 @@ def solve(table: dict, cfg, n_ctx: int, budget_bytes: float, page_tokens: int = 
             "budget_bytes_per_token": float(budget_bytes), "kl_estimate": float(best[-1])}
 
 
+def _counts(ts) -> str:
+    return " ".join(f"{t} x{ts.count(t)}" for t in dict.fromkeys(ts))
+
+
+def plan_line(plan: dict) -> str:
+    """The plan in one line: bits and bytes, window, sinks, and how many layers take each type."""
+    kl = (f"KL {plan['kl_measured']:.4f}" if "kl_measured" in plan
+          else f"KL ~{plan.get('kl_estimate', float('nan')):.4f}")
+    w = plan.get("kv_window", 0)
+    win = f"window {w} {plan.get('kv_window_type', 'f16')}" if w else "no window"
+    return (f"KV plan: {plan['bits_per_value']:.3f} bits/value ({plan['bytes_per_token']:.0f} B/token at ctx "
+            f"{plan['n_ctx']}), {win}, sinks {plan.get('kv_sinks', N_SINK)}; K {_counts(plan['ctk'])}; "
+            f"V {_counts(plan['ctv'])}; {kl} on {plan.get('calib', 'the calibration text')}"
+            + (" (cached)" if plan.get("cached") else ""))
+
+
+def plan_table(plan: dict) -> str:
+    """The per-layer table (--verbose)."""
+    rows = ["layer  K        V"]
+    rows += [f"{l:5d}  {k:<8s} {v}" for l, (k, v) in enumerate(zip(plan["ctk"], plan["ctv"]))]
+    return "\n".join(rows)
+
+
 def plan_summary(plan: dict) -> str:
-    """One line per side: the types and how many layers take each, then the per-layer lists."""
-    def count(ts):
-        return " ".join(f"{t} x{ts.count(t)}" for t in dict.fromkeys(sorted(ts, key=ts.index)))
-    kl = (f"measured KL {plan['kl_measured']:.5f}" if "kl_measured" in plan
-          else f"estimated KL {plan.get('kl_estimate', float('nan')):.5f}")
-    return (f"KV plan: {plan['bits_per_value']:.3f} bits/value, {plan['bytes_per_token']:.0f} B/token at ctx "
-            f"{plan['n_ctx']} (target {plan.get('budget_bytes_per_token', 0):.0f}), window {plan.get('kv_window', 0)} "
-            f"({plan.get('kv_window_type', 'f16')}), "
-            f"sinks {plan.get('kv_sinks', N_SINK)}, {kl} on the calibration text\n"
-            f"  K: {count(plan['ctk'])}  [{','.join(plan['ctk'])}]\n"
-            f"  V: {count(plan['ctv'])}  [{','.join(plan['ctv'])}]")
+    """plan_line, then the per-layer types of each side as comma lists."""
+    return (plan_line(plan) + f"\n  K: [{','.join(plan['ctk'])}]\n  V: [{','.join(plan['ctv'])}]")
 
 
 def save_plan(path, plan: dict) -> None:
-    _write_json(path, plan)
+    _write_json(path, {k: v for k, v in plan.items() if k != "cached"})
 
 
 def read_plan(path, n_layers: int) -> dict:
@@ -429,50 +463,132 @@ def refine(pr, table, cfg, n_ctx, budget_bytes, page_tokens: int = 32, steps: in
     return best
 
 
-def plan_for(model, kv_bits=None, budget_bytes=None, calib=None, types=DEFAULT_TYPES, exact: bool = False,
-             n_tokens: int | None = None, progress=None, windows=None, sinks=None, refine_steps: int = 2,
-             group: int = 1, window_type=None) -> dict:
+def auto_types(bits: float) -> tuple:
+    """The candidate types of an automatic plan at this many bits per value (AUTO_TYPES)."""
+    for floor, ts in AUTO_TYPES:
+        if bits >= floor:
+            return ts
+    return AUTO_TYPES[-1][1]
+
+
+def auto_window(cfg, n_ctx: int, budget_bytes: float, types, page_tokens: int = 32, sinks: int = N_SINK) -> int:
+    """The q8_0 window rows of an automatic plan: AUTO_WINDOW (at most an eighth of the context), or as
+    many as the budget holds above the cheapest candidate in every layer.  The research plans kept 64
+    rows at 4.5 and 3 bits and spent all the slack above nl2b on rows at 2.5 (docs/kv-formats.md)."""
+    L = cfg.n_layers
+    cheap = min(types, key=lambda t: plan_bytes(cfg, [t] * L, [t] * L, n_ctx, page_tokens, 0, sinks))
+    w = min(AUTO_WINDOW, n_ctx // 8)
+    while w > 0 and plan_bytes(cfg, [cheap] * L, [cheap] * L, n_ctx, page_tokens, w, sinks,
+                               AUTO_WINDOW_TYPE) > budget_bytes:
+        w -= 1
+    return w
+
+
+def _n_runs(L: int, types, exact: bool, group: int) -> int:
+    """Probe runs measure() makes for a table (the f16 base run not counted)."""
+    if exact:
+        return 2 * L * len(types)
+    n_klt = sum(parse_kv_type(t).kind == "klt" for t in types)
+    starts = len(range(0, L, group))
+    return 2 * starts + 2 * len(types) + n_klt * starts
+
+
+def _plan_cache_path(key_parts) -> str:
+    key = hashlib.sha256(json.dumps(key_parts).encode()).hexdigest()[:24]
+    return os.path.join(os.path.dirname(_cache_dir()), "kv_plans", key + ".json")
+
+
+def plan_for(model, kv_bits=None, budget_bytes=None, calib=None, types=None, exact: bool = False,
+             n_tokens: int | None = None, progress=None, windows=None, sinks=None, refine_steps=None,
+             group=None, window_type=None, use_cache: bool = True) -> dict:
     """The plan for a loaded model's n_ctx under kv_bits (bits per value) or budget_bytes (per token),
-    calibrated on the first n_tokens of the text (None: the model's context).  windows: the
-    token-adaptive window sizes to try (None: the model's --kv-window); with several, or with
-    refine_steps > 0, plans are measured in full on the calibration text (refine) and the lowest
-    measured KL wins, its window bytes counted like every other byte.  sinks: the sink rows (None:
-    the model's --kv-sinks)."""
+    calibrated on the first n_tokens of the text (None: the model's context).
+
+    What is left None the planner chooses (what `--kv-bits` alone runs): types by the target
+    (auto_types), a q8_0 token-adaptive window (auto_window), probes of L / AUTO_GROUPS layers at once,
+    AUTO_REFINE refine steps, the model's sink rows.  windows: window sizes to try, each with its own
+    table; with several, or with refine steps, plans are measured in full on the calibration text
+    (refine) and the lowest measured KL wins, its window bytes counted like every other byte.
+    The plan is cached per model fingerprint, calibration ids, target and choices (use_cache), so a
+    second load plans at once; progress(i, n) is called as runs finish."""
     from pykv.api.model import load
+    from pykv.kv import cache as kv_cache
     cfg = model.config
+    L = cfg.n_layers
     if budget_bytes is None:
         if kv_bits is None or not kv_bits > 0:
             raise PykvError(f"--kv-bits must be a positive number, got {kv_bits}")
         budget_bytes = bits_to_bytes(cfg, float(kv_bits))
-    ids = calib_ids(model, calib, n_tokens)
-    probe = model if not model.q8_act and model.n_ctx >= len(ids) else None   # else a float-activation copy
-    if probe is None and (refine_steps or windows is not None and len(windows) > 1):
-        probe = load(model.path, n_ctx=max(len(ids), 32), q8_act=False)
     opts = getattr(model, "_kv_opts", {})
-    windows = [opts.get("kv_window", 0)] if windows is None else [int(w) for w in windows]
     sinks = opts.get("kv_sinks", N_SINK) if sinks is None else int(sinks)
-    wt = opts.get("kv_window_type", "f16") if window_type is None else window_type
-    best = None
+    types = auto_types(bits_per_value(cfg, budget_bytes)) if types is None else tuple(types)
+    types = [parse_kv_type(t).name for t in types]
+    P = model.cache.P
+    if windows is None:                   # the planner's own window, in q8_0 rows unless told otherwise
+        wt = AUTO_WINDOW_TYPE if window_type is None else window_type
+        windows = [auto_window(cfg, model.n_ctx, budget_bytes, types, P, sinks)
+                   if getattr(model, "device", "cpu") == "cpu" else 0]
+    else:
+        wt = opts.get("kv_window_type", "f16") if window_type is None else window_type
+        windows = [int(w) for w in windows]
+    group = 1 if exact else (max(1, L // AUTO_GROUPS) if group is None else max(1, int(group)))
+    refine_steps = AUTO_REFINE if refine_steps is None else int(refine_steps)
+    ids = calib_ids(model, calib, n_tokens)
+    pre = opts.get("k_prerope")
+    cache_path = _plan_cache_path([PLAN_VERSION, fingerprint(model.path), list(map(int, ids)), types, bool(exact),
+                                   windows, sinks, wt, group, refine_steps, round(float(budget_bytes), 6),
+                                   int(model.n_ctx), int(P), kv_cache.SMOOTH_MODE, pre, KL_POSITIONS])
+    if use_cache and os.path.exists(cache_path):
+        try:
+            plan = read_plan(cache_path, L)
+            if kv_bits is not None:
+                plan["kv_bits"] = float(kv_bits)
+            return {**plan, "cached": True}
+        except PykvError:
+            pass
+    # probes run with q8 activations (what pykv run uses; several times faster than float activations,
+    # whose products dominate a plan's wall): the model itself, or a q8 copy of a float-activation one
+    probe = model if model.q8_act and model.n_ctx >= len(ids) and model.device == "cpu" else None
+    if probe is None:
+        probe = load(model.path, n_ctx=max(len(ids), 32), q8_act=True)
+    n_est = len(windows) * (_n_runs(L, types, exact, group) + (1 + 3 * refine_steps if refine_steps or len(windows) > 1
+                                                               else 0))
+    done = 0
+
+    def tick(*_):
+        nonlocal done
+        done += 1
+        if progress:
+            progress(min(done, n_est), n_est)
+    best = table = None
     for w in windows:
-        table = sensitivity(model.path, ids, types, exact=exact, progress=progress, model=probe, window=w,
-                            sinks=sinks, group=group, window_type=wt)
+        pr = _Prober(probe, ids, w, sinks, wt)
+        table = sensitivity(model.path, ids, types, exact=exact, progress=tick, model=probe, window=w,
+                            sinks=sinks, group=group, window_type=wt, prober=pr)
         try:
             if refine_steps or len(windows) > 1:
-                plan = refine(_Prober(probe, ids, w, sinks, wt), table, cfg, model.n_ctx, budget_bytes, model.cache.P,
-                              steps=refine_steps)
+                pr.tick = tick
+                plan = refine(pr, table, cfg, model.n_ctx, budget_bytes, P, steps=refine_steps)
             else:
-                plan = solve(table, cfg, model.n_ctx, budget_bytes, model.cache.P)
+                plan = solve(table, cfg, model.n_ctx, budget_bytes, P)
         except PykvError:
             if w == windows[-1] and best is None:
                 raise
             continue     # this window's bytes leave no plan under the budget
         if best is None or plan.get("kl_measured", 0.0) < best.get("kl_measured", 0.0):
             best = plan
+    if progress:
+        progress(n_est, n_est)
     plan = best
     plan.update(fingerprint=table.get("fingerprint"), method=table["method"], calib=calib or "built-in",
                 calib_tokens=len(ids))
     if kv_bits is not None:
         plan["kv_bits"] = float(kv_bits)
+    if use_cache:
+        try:
+            _write_json(cache_path, plan)
+        except OSError:
+            pass
     return plan
 
 
@@ -484,40 +600,56 @@ def apply_plan(model, plan: dict, kv_rotate=None) -> None:
 def load_planned(path=None, *, kv_bits=None, kv_plan=None, kv_calib=None, kv_plan_out=None, kv_exact=False,
                  verbose=False, **kw):
     """pykv.load with an automatic per-layer KV plan: kv_plan (a plan JSON) or kv_bits (bits per value,
-    everything stored counted) measured on kv_calib (a text file; None: the built-in text)."""
+    everything stored counted) measured on kv_calib (a text file; None: the built-in text).  The plan
+    is printed on stderr in one line, with verbose its per-layer table too.  kv_window / kv_window_type
+    left None: 0 / f16 without a plan, the planner's choice with kv_bits."""
     from pykv.api.model import load
     if kv_bits is not None and kv_plan is not None:
         raise PykvError("give --kv-bits or --kv-plan, not both")
     if (kv_bits is not None or kv_plan is not None) and (kw.get("kv_type_k", "f16"), kw.get("kv_type_v", "f16")) != ("f16", "f16"):
         raise PykvError("--kv-bits / --kv-plan choose the per-layer types: drop -ctk / -ctv")
+    window, wtype = kw.get("kv_window"), kw.get("kv_window_type")
+    kw["kv_window"], kw["kv_window_type"] = window or 0, wtype or "f16"
     model = load(path, **kw)
     if kv_plan is None and kv_bits is None:
         return model
     if kv_plan is not None:
         plan = read_plan(kv_plan, model.config.n_layers)
     else:
-        bar = _bar() if verbose else None
-        plan = plan_for(model, kv_bits=kv_bits, calib=kv_calib, exact=kv_exact, progress=bar)
+        bar = _bar(f"KV plan for {kv_bits:g} bits/value")
+        plan = plan_for(model, kv_bits=kv_bits, calib=kv_calib, exact=kv_exact, progress=bar,
+                        windows=None if window is None else [window], window_type=wtype)
     apply_plan(model, plan, kw.get("kv_rotate"))
     nbytes = plan_bytes(model.config, plan["ctk"], plan["ctv"], model.n_ctx, model.cache.P,
                         plan.get("kv_window", 0), plan.get("kv_sinks", N_SINK), plan.get("kv_window_type", "f16"))
     plan = {**plan, "n_ctx": model.n_ctx, "bytes_per_token": nbytes,
             "bits_per_value": bits_per_value(model.config, nbytes)}   # this model's context
     model.kv_plan = plan
+    print(plan_line(plan), file=sys.stderr)
     if verbose:
-        print(plan_summary(plan), file=sys.stderr)
+        print(plan_table(plan), file=sys.stderr)
     if kv_plan_out:
         save_plan(kv_plan_out, plan)
     return model
 
 
-def _bar():
-    """Progress on stderr: a counter on a terminal, every 10th run otherwise."""
-    tty = sys.stderr.isatty()
+def _bar(desc: str = "KV sensitivity"):
+    """Progress of runs on stderr: tqdm on a terminal; otherwise one line when the work starts."""
+    state = {}
 
     def show(i, n):
-        if tty:
-            print(f"\rKV sensitivity: run {i}/{n}", end="\n" if i == n else "", file=sys.stderr, flush=True)
-        elif i % 10 == 0 or i == n:
-            print(f"KV sensitivity: run {i}/{n}", file=sys.stderr, flush=True)
+        if "started" not in state:
+            state["started"] = True
+            if not sys.stderr.isatty():
+                print(f"pykv: {desc}: {n} calibration runs (cached for the next load)", file=sys.stderr, flush=True)
+                return
+            from tqdm import tqdm
+            state["bar"] = tqdm(total=n, desc=desc, unit="run", file=sys.stderr, leave=False)
+        bar = state.get("bar")
+        if bar is not None:
+            bar.total = n
+            bar.update(i - bar.n)
+            if i >= n:
+                bar.close()
+                state["bar"] = None
     return show

@@ -19,16 +19,19 @@ def _model_args(p: argparse.ArgumentParser, with_prompt: bool = False) -> None:
                    help="store block-quantized keys before RoPE, roped inside attention, with query-aware "
                         "smoothing (CPU only; auto: off for now)")
     p.add_argument("--kv-budget", default=None, help="cap the KV pool, e.g. 64MiB")
-    p.add_argument("--kv-window", type=int, default=0,
-                   help="newest tokens each query reads as f16 copies (quantized types; 0: none)")
+    p.add_argument("--kv-window", type=int, default=None,
+                   help="newest tokens each query reads as f16 copies (quantized types; default: none, "
+                        "with --kv-bits the planner's choice)")
     p.add_argument("--kv-sinks", type=int, default=4, help="first tokens kept as f16 rows (quantized types)")
-    p.add_argument("--kv-window-type", default="f16", choices=["f16", "q8_0"],
-                   help="format of the --kv-window rows (q8_0: half the bytes)")
+    p.add_argument("--kv-window-type", default=None, choices=["f16", "q8_0"],
+                   help="format of the --kv-window rows (q8_0: half the bytes; default f16, with --kv-bits "
+                        "the planner's choice)")
     p.add_argument("--kv-bits", type=float, default=None,
                    help="pick per-layer K/V types minimising measured KL at this many bits per stored value")
     p.add_argument("--kv-calib", default=None, help="calibration text for --kv-bits (default: built-in)")
     p.add_argument("--kv-plan", default=None, help="per-layer K/V types from a plan JSON (--kv-plan-out)")
     p.add_argument("--kv-plan-out", default=None, help="save the chosen per-layer plan as JSON")
+    p.add_argument("--verbose", action="store_true", help="print the KV plan's per-layer table")
     p.add_argument("-t", "--threads", type=int, default=None, help="threads (default: the cores that other work leaves free, read at each call)")
     device_arg(p)
 
@@ -79,7 +82,7 @@ def load_from_args(args, model_path, compile_helper=False, **kw):
     kw = dict(n_ctx=args.ctx_size, kv_type_k=_kv_types(args.cache_type_k), kv_type_v=_kv_types(args.cache_type_v),
               threads=args.threads, kv_rotate=rot, kv_prerope={"on": True, "off": False, "auto": None}[args.kv_prerope],
               kv_budget=budget, device=args.device, kv_bits=args.kv_bits, kv_plan=args.kv_plan,
-              kv_calib=args.kv_calib, kv_plan_out=args.kv_plan_out, verbose=True, kv_window=args.kv_window,
+              kv_calib=args.kv_calib, kv_plan_out=args.kv_plan_out, verbose=args.verbose, kv_window=args.kv_window,
               kv_sinks=args.kv_sinks, kv_window_type=args.kv_window_type, **kw)
     model = load_planned(model_path, **kw)
     if compile_helper:

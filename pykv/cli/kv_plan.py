@@ -21,13 +21,13 @@ def cmd_sensitivity(args) -> int:
     except ValueError as e:
         raise PykvError(str(e)) from None
     model = load(model_path, n_ctx=args.ctx_size, threads=args.threads, q8_act=False, device=args.device,
-                 kv_window=args.kv_window, kv_sinks=args.kv_sinks, kv_window_type=args.kv_window_type)
+                 kv_window=args.kv_window or 0, kv_sinks=args.kv_sinks, kv_window_type=args.kv_window_type or "f16")
     ids = model.tokenize(text)[:args.ctx_size]
     if len(ids) < 16:
         raise PykvError(f"{textfile} has {len(ids)} tokens; at least 16 are needed")
     table = sensitivity(model.path, ids, types, exact=args.exact, use_cache=not args.no_cache,
-                        progress=_bar(), model=model, window=args.kv_window, sinks=args.kv_sinks,
-                        window_type=args.kv_window_type)
+                        progress=_bar(), model=model, window=args.kv_window or 0, sinks=args.kv_sinks,
+                        window_type=args.kv_window_type or "f16")
     if args.json:
         print(json.dumps(table))
         return 0
