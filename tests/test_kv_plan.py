@@ -236,20 +236,26 @@ def test_probe_scores_a_stride_of_positions(tiny, monkeypatch):
 
 
 def test_auto_choices_follow_the_budget(tiny):
-    """--kv-bits alone: the candidates narrow with the target, and the q8_0 window shrinks until the
-    cheapest candidate in every layer plus the window fits the budget (none when nothing is left)."""
+    """--kv-bits alone: the candidates narrow with the target, and the window shrinks until the
+    cheapest candidate in every layer plus the window fits the budget (none when nothing is left);
+    below 2.75 bits it takes every byte left, as iq4_nl rows, up to an eighth of the context."""
     cfg, n = tiny.config, 512
     assert KP.auto_types(4.5) == KP.AUTO_TYPES[1][1] and KP.auto_types(2.5) == ("nl2", "nl2b")
     assert "q8_0" in KP.auto_types(6.0) and "q8_0" not in KP.auto_types(3.0)
+    assert KP.auto_window_kind(3.0) == (32, "q8_0") and KP.auto_window_kind(2.5) == (None, "iq4_nl")
     types = KP.auto_types(2.5)
     L = cfg.n_layers
     floor = KP.plan_bytes(cfg, ["nl2b"] * L, ["nl2b"] * L, n)
-    assert KP.auto_window(cfg, n, KP.bits_to_bytes(cfg, 8.0), types) == min(KP.AUTO_WINDOW, n // 8)
-    assert KP.auto_window(cfg, n, floor, types) == 0
-    row = KP.plan_bytes(cfg, ["nl2b"] * L, ["nl2b"] * L, n, window=1, window_type="q8_0") - floor
-    w = KP.auto_window(cfg, n, floor + 10.5 * row, types)
-    assert w == 10
-    assert KP.plan_bytes(cfg, ["nl2b"] * L, ["nl2b"] * L, n, window=w, window_type="q8_0") <= floor + 10.5 * row
+    assert KP.auto_window(cfg, n, KP.bits_to_bytes(cfg, 8.0), types, rows=32, window_type="q8_0") == 32
+    assert KP.auto_window(cfg, n, KP.bits_to_bytes(cfg, 8.0), types) == n // 8
+    for wt in ("q8_0", "iq4_nl"):
+        assert KP.auto_window(cfg, n, floor, types, window_type=wt) == 0
+        row = KP.plan_bytes(cfg, ["nl2b"] * L, ["nl2b"] * L, n, window=1, window_type=wt) - floor
+        w = KP.auto_window(cfg, n, floor + 10.5 * row, types, window_type=wt)
+        assert w == 10
+        assert KP.plan_bytes(cfg, ["nl2b"] * L, ["nl2b"] * L, n, window=w, window_type=wt) <= floor + 10.5 * row
+    q8 = KP.plan_bytes(cfg, ["nl2b"] * L, ["nl2b"] * L, n, window=1, window_type="q8_0") - floor
+    assert KP.auto_window(cfg, n, floor + 10.5 * q8, types, window_type="iq4_nl") > 10   # more rows, same bytes
 
 
 def test_cli_prints_the_plan_in_one_line_and_the_table_with_verbose(tiny_path, tmp_path, capsys, monkeypatch):

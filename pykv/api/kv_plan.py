@@ -37,8 +37,10 @@ AUTO_TYPES = ((5.0, ("q8_0", "q5_1", "q5_0", "q4_1", "q4_0", "iq4_nl", "nl4", "n
               (4.0, ("q4_0", "iq4_nl", "nl4", "nl3", "nl3b", "nl2b")),
               (2.75, ("nl3", "nl3b", "nl2", "nl2b")),
               (0.0, ("nl2", "nl2b")))
-AUTO_WINDOW = 64          # newest tokens an automatic plan keeps as q8_0 rows (fewer when the bytes run out)
-AUTO_WINDOW_TYPE = "q8_0"
+# its token-adaptive window, by the same bits: (floor, rows, row type); rows None: every byte above the
+# cheapest candidate in every layer (only 2-bit types are left there), as iq4_nl rows, the most rows for
+# those bytes.  At most an eighth of the context; fewer rows when the bytes run out.
+AUTO_WINDOWS = ((4.0, 64, "q8_0"), (2.75, 32, "q8_0"), (0.0, None, "iq4_nl"))
 AUTO_GROUPS = 6           # sensitivity probes per side: layers in runs of L / 6
 AUTO_REFINE = 1
 CALIB_TOKENS = 512   # kv-sensitivity's default; plans calibrate at the model's context (plan_for)
@@ -471,17 +473,30 @@ def auto_types(bits: float) -> tuple:
     return AUTO_TYPES[-1][1]
 
 
-def auto_window(cfg, n_ctx: int, budget_bytes: float, types, page_tokens: int = 32, sinks: int = N_SINK) -> int:
-    """The q8_0 window rows of an automatic plan: AUTO_WINDOW (at most an eighth of the context), or as
-    many as the budget holds above the cheapest candidate in every layer.  The research plans kept 64
-    rows at 4.5 and 3 bits and spent all the slack above nl2b on rows at 2.5 (docs/kv-formats.md)."""
+def auto_window_kind(bits: float) -> tuple:
+    """(rows or None, row type) of an automatic plan's window at this many bits per value (AUTO_WINDOWS)."""
+    for floor, rows, wt in AUTO_WINDOWS:
+        if bits >= floor:
+            return rows, wt
+    return AUTO_WINDOWS[-1][1:]
+
+
+def auto_window(cfg, n_ctx: int, budget_bytes: float, types, page_tokens: int = 32, sinks: int = N_SINK,
+                rows=None, window_type: str = "iq4_nl") -> int:
+    """The window rows of an automatic plan: `rows` (None: an eighth of the context, at most), fewer
+    until the cheapest candidate in every layer plus the window fits the budget (0: none fits).
+    Chosen on the development texts (tools/kv_configs.py, docs/kv-formats.md): at 3 bits 32 q8_0 rows
+    beat 64 (the bytes buy 3-bit keys, which matter more), at 2.5 bits iq4_nl rows beat fewer q8_0 rows."""
     L = cfg.n_layers
     cheap = min(types, key=lambda t: plan_bytes(cfg, [t] * L, [t] * L, n_ctx, page_tokens, 0, sinks))
-    w = min(AUTO_WINDOW, n_ctx // 8)
-    while w > 0 and plan_bytes(cfg, [cheap] * L, [cheap] * L, n_ctx, page_tokens, w, sinks,
-                               AUTO_WINDOW_TYPE) > budget_bytes:
-        w -= 1
-    return w
+    lo, hi = 0, n_ctx // 8 if rows is None else min(int(rows), n_ctx // 8)
+    while lo < hi:                     # the most rows that fit: bytes grow with rows
+        mid = (lo + hi + 1) // 2
+        if plan_bytes(cfg, [cheap] * L, [cheap] * L, n_ctx, page_tokens, mid, sinks, window_type) <= budget_bytes:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 def _n_runs(L: int, types, exact: bool, group: int) -> int:
@@ -505,7 +520,7 @@ def plan_for(model, kv_bits=None, budget_bytes=None, calib=None, types=None, exa
     calibrated on the first n_tokens of the text (None: the model's context).
 
     What is left None the planner chooses (what `--kv-bits` alone runs): types by the target
-    (auto_types), a q8_0 token-adaptive window (auto_window), probes of L / AUTO_GROUPS layers at once,
+    (auto_types), a token-adaptive window (auto_window_kind, auto_window), probes of L / AUTO_GROUPS layers at once,
     AUTO_REFINE refine steps, the model's sink rows.  windows: window sizes to try, each with its own
     table; with several, or with refine steps, plans are measured in full on the calibration text
     (refine) and the lowest measured KL wins, its window bytes counted like every other byte.
@@ -524,9 +539,10 @@ def plan_for(model, kv_bits=None, budget_bytes=None, calib=None, types=None, exa
     types = auto_types(bits_per_value(cfg, budget_bytes)) if types is None else tuple(types)
     types = [parse_kv_type(t).name for t in types]
     P = model.cache.P
-    if windows is None:                   # the planner's own window, in q8_0 rows unless told otherwise
-        wt = AUTO_WINDOW_TYPE if window_type is None else window_type
-        windows = [auto_window(cfg, model.n_ctx, budget_bytes, types, P, sinks)
+    if windows is None:                   # the planner's own window (AUTO_WINDOWS) unless told otherwise
+        rows, wt = auto_window_kind(bits_per_value(cfg, budget_bytes))
+        wt = wt if window_type is None else window_type
+        windows = [auto_window(cfg, model.n_ctx, budget_bytes, types, P, sinks, rows, wt)
                    if getattr(model, "device", "cpu") == "cpu" else 0]
     else:
         wt = opts.get("kv_window_type", "f16") if window_type is None else window_type

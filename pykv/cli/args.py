@@ -23,8 +23,8 @@ def _model_args(p: argparse.ArgumentParser, with_prompt: bool = False) -> None:
                    help="newest tokens each query reads as f16 copies (quantized types; default: none, "
                         "with --kv-bits the planner's choice)")
     p.add_argument("--kv-sinks", type=int, default=4, help="first tokens kept as f16 rows (quantized types)")
-    p.add_argument("--kv-window-type", default=None, choices=["f16", "q8_0"],
-                   help="format of the --kv-window rows (q8_0: half the bytes; default f16, with --kv-bits "
+    p.add_argument("--kv-window-type", default=None, choices=["f16", "q8_0", "iq4_nl", "nl4"],
+                   help="format of the --kv-window rows (q8_0: half the bytes, iq4_nl / nl4: a quarter; default f16, with --kv-bits "
                         "the planner's choice)")
     p.add_argument("--kv-bits", type=float, default=None,
                    help="pick per-layer K/V types minimising measured KL at this many bits per stored value")

@@ -49,7 +49,7 @@ from numba import errors, njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from pykv.files.formats import CODE_Q8_0
+from pykv.files.formats import CODE_IQ4_NL, CODE_NL4, CODE_Q8_0
 from pykv.kernels import folder_lock
 from pykv.kernels.blocks import deq_kivi_k_rows, deq_rows
 from pykv.kernels.kvdot import UNIT, accum_q8_0_1, accum_q8_0_3, scores_q8_0_1, scores_q8_0_3
@@ -299,6 +299,19 @@ def _unpre(kt, n, j, g, KVH, kx, cos, sin):
         _rope_vec(kv, j + r, cos, sin, 2 * cos.shape[1])
 
 
+@njit(cache=True, inline="always")
+def _ring_code(width, HD, rcode):
+    """The format of ring rows `width` bytes wide: f16 (rcode, the sinks' and KIVI's), or the
+    token-adaptive window's --kv-window-type (kv.cache.WINDOW_TYPES: q8_0, iq4_nl, nl4)."""
+    if width == 2 * HD:
+        return rcode
+    if width == HD // 32 * 34:
+        return CODE_Q8_0
+    if width == HD // 32 * 18:
+        return CODE_IQ4_NL
+    return CODE_NL4
+
+
 @njit(cache=True, nogil=True, fastmath=_FM)
 def _item(q, kpool, vpool, kres, vres, ksink, vsink, page_table, n_past, ns_k, ns_v, nq_k, nq_v, wk, wv, P,
           kcode, kbits, vcode, rcode, g, t0, t1, j0, j1, part, c, kx, cos, sin, mt):
@@ -351,9 +364,9 @@ def _item(q, kpool, vpool, kres, vres, ksink, vsink, page_table, n_past, ns_k, n
     rbv = vpool.shape[2] // P
     rbr = ksink.shape[2]                         # f16 sink rows (2 * HD bytes)
     rbk_r = kres.shape[2]                        # ring rows: f16 (2 * HD bytes) or, for the window's
-    rbv_r = vres.shape[2]                        # q8_0 rows (--kv-window-type q8_0), narrower
-    rck = rcode if rbk_r == 2 * HD else CODE_Q8_0
-    rcv = rcode if rbv_r == 2 * HD else CODE_Q8_0
+    rbv_r = vres.shape[2]                        # narrower rows of --kv-window-type (_ring_code)
+    rck = _ring_code(rbk_r, HD, rcode)
+    rcv = _ring_code(rbv_r, HD, rcode)
     RING = kres.shape[1]                         # residual rows: a ring (token j -> j % RING)
     RINGV = vres.shape[1]
     NS = ksink.shape[1]

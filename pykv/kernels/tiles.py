@@ -192,10 +192,19 @@ def _lut16(builder, idx, table):
     return out
 
 
+def _target_cpu() -> str:
+    """LLVM's name of the CPU Numba compiles for (NUMBA_CPU_NAME, else the host's)."""
+    import llvmlite.binding as llvm
+    from numba.core import config
+    name = config.CPU_NAME
+    return llvm.get_host_cpu_name() if name in (None, "host") else name
+
+
 # Prefill: a tile call for nt tokens unpacks each weight vector once for a group of tokens where that was
-# measured to pay (avx2, where the unpacking costs more than the dot; docs/code-notes.md); other formats
-# and classes run the tokens one after another inside the call.
-TOKEN_BLOCK = {"avx2": ("q40", "q50", "q5", "q2k", "q3k", "q5k", "q6k")}.get(ISA, ())
+# measured to pay (avx2, and the K formats on Intel's AVX-512 cores, where the unpacking costs more than
+# the dot; docs/code-notes.md); other formats and classes run the tokens one after another in the call.
+TOKEN_BLOCK = {"avx2": ("q40", "q50", "q5", "q2k", "q3k", "q5k", "q6k"),
+               "avx512vnni": () if _target_cpu().startswith("znver") else ("q4k", "q5k", "q6k")}.get(ISA, ())
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -45,7 +45,7 @@ def windowed(fmt) -> bool:
     return fmt.kind not in ("float", "kivi")
 
 
-WINDOW_TYPES = ("f16", "q8_0")   # formats of the token-adaptive window's ring rows
+WINDOW_TYPES = ("f16", "q8_0", "iq4_nl", "nl4")   # the window's ring rows (attention tells them by width)
 
 
 def seq_overhead_bytes(cfg: Config, k_fmt, v_fmt, page_tokens: int = 32, window: int = 0,
@@ -133,6 +133,9 @@ class KVCache:
         if kv_window_type not in WINDOW_TYPES:
             raise PykvError(f"--kv-window-type must be one of {', '.join(WINDOW_TYPES)}, got {kv_window_type!r}")
         self.wfmt = KV_FORMATS[kv_window_type]
+        if self.W and HD % self.wfmt.block_size:
+            raise PykvError(f"--kv-window-type {kv_window_type} needs head_dim divisible by {self.wfmt.block_size} "
+                            f"(head_dim {HD})")
         if self.W and be.name != "cpu":
             raise PykvError(f"the KV window (--kv-window) runs on the CPU only for now (device {be.name})")
         k_fmts = _fmt_list(k_types, cfg.n_layers, "cache-type-k")
