@@ -148,6 +148,11 @@ def test_plan_window_and_sinks_round_trip(tiny, tmp_path):
     KP.save_plan(f, {**plan, "kv_window": -1})
     with pytest.raises(pykv.PykvError, match="kv_window must be a non-negative integer"):
         KP.read_plan(f, 3)
+    KP.save_plan(f, {**plan, "kv_window_type": "iq4_nl"})          # the planner's 2.5-bit window rows
+    assert KP.read_plan(f, 3)["kv_window_type"] == "iq4_nl"
+    KP.save_plan(f, {**plan, "kv_window_type": "q4_1"})
+    with pytest.raises(pykv.PykvError, match="kv_window_type must be one of"):
+        KP.read_plan(f, 3)
 
 
 def test_refine_keeps_the_lowest_measured_plan(tiny):

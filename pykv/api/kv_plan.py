@@ -407,8 +407,10 @@ def read_plan(path, n_layers: int) -> dict:
         v = plan.setdefault(f, d)
         if not isinstance(v, int) or isinstance(v, bool) or v < 0:
             raise PykvError(f"KV plan {path}: {f} must be a non-negative integer, got {v!r}")
-    if plan.setdefault("kv_window_type", "f16") not in ("f16", "q8_0"):
-        raise PykvError(f"KV plan {path}: kv_window_type must be f16 or q8_0, got {plan['kv_window_type']!r}")
+    from pykv.kv.cache import WINDOW_TYPES
+    if plan.setdefault("kv_window_type", "f16") not in WINDOW_TYPES:
+        raise PykvError(f"KV plan {path}: kv_window_type must be one of {', '.join(WINDOW_TYPES)}, "
+                        f"got {plan['kv_window_type']!r}")
     return plan
 
 
