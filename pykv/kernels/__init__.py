@@ -203,5 +203,27 @@ def _internalize_linked_copies() -> None:
         lib._optimize_final_module = _internalizing(lib._optimize_final_module)
 
 
+TUNING_PINNED = False     # whether _pin_vector_tuning set Numba's CPU features
+
+
+def _pin_vector_tuning() -> None:
+    """On AVX-512 hosts, compile without LLVM's prefer-256-bit tuning, which Intel CPU models carry
+    (e.g. rocketlake) and AMD's do not: it changes the summation order of vectorised float loops, so
+    one ISA class gave other bits, and other greedy tokens, on Intel hosts than on AMD ones, and a
+    batched step stopped matching the single-sequence one there.  Only when the user set neither
+    NUMBA_CPU_NAME nor NUMBA_CPU_FEATURES."""
+    global TUNING_PINNED
+    if _nconfig.CPU_NAME not in (None, "host") or _nconfig.CPU_FEATURES is not None:
+        return
+    try:
+        f = _ll.get_host_cpu_features()
+    except RuntimeError:      # pragma: no cover - llvmlite without host feature detection
+        return
+    if f.get("avx512f"):
+        _nconfig.CPU_FEATURES = f.flatten() + ",-prefer-256-bit"
+        TUNING_PINNED = True
+
+
 _internalize_linked_copies()
+_pin_vector_tuning()
 _use_cache_dir()

@@ -89,9 +89,10 @@ def target_isa() -> str:
     """The ISA class of the code Numba generates in this process (see the module doc)."""
     import llvmlite.binding as llvm
     from numba.core import config
+    from pykv.kernels import TUNING_PINNED
     name, feats = config.CPU_NAME, config.CPU_FEATURES
     try:
-        if name in (None, "host") and feats is None:
+        if name in (None, "host") and (feats is None or TUNING_PINNED):   # the host's own features
             f = llvm.get_host_cpu_features()
             return _classify(lambda k: bool(f.get(k)))
         if name in (None, "host"):
