@@ -406,14 +406,18 @@ def dot_tile_by(fmts, nt=1):
 #   Q6_K:      xd * d * (sum_h sc_h (q_h . x_h) - 32 sum_h sc_h xb_h)
 
 KBYTES = {"q2k": 84, "q3k": 114, "q4k": 148, "q5k": 180, "q6k": 210}
-PF_LOCALITY = 0    # weights are read once per token: non-temporal prefetches
-# Software prefetch of the weight stream helps where the hardware prefetcher lags (the avx2 class).  On
-# the AVX-512 VNNI class the Q4 / Q5 / Q8 tiles leave it to the hardware (prefetching measured slower),
-# and the K tiles prefetch 2 super-blocks ahead (8 ahead measured slower; 2 ahead streams faster: the
-# measurements are in docs/code-notes.md and docs/benchmarks.md).
-_PF = ISA != "avx512vnni"
+_INTEL512 = ISA == "avx512vnni" and not _target_cpu().startswith("znver")
+# Weights are read once per token.  AMD cores take non-temporal prefetches (prefetchnta), which keep the
+# stream out of the caches' other data; on Intel's AVX-512 cores prefetchnta halves the tiles' DRAM rate
+# with 2 threads and prefetcht1 (into L2) streams at the read ceiling, so there the weights go to L2.
+PF_LOCALITY = 2 if _INTEL512 else 0
+# Software prefetch of the weight stream helps where the hardware prefetcher lags (the avx2 class, and
+# Intel's AVX-512 cores).  On AMD's AVX-512 cores the Q4 / Q5 / Q8 tiles leave it to the hardware
+# (prefetching measured slower), and the K tiles prefetch 2 super-blocks ahead (8 ahead measured slower;
+# the measurements are in docs/code-notes.md and docs/benchmarks.md).
+_PF = ISA != "avx512vnni" or _INTEL512
 PF_BYTES = 4096 if _PF else 0    # bytes ahead a Q4 / Q5 / Q8 tile prefetches its weights (0: none)
-KPF_AHEAD = 8 if _PF else 2      # super-blocks ahead a K tile prefetches (0: none)
+KPF_AHEAD = 2 if ISA == "avx512vnni" else 8      # super-blocks ahead a K tile prefetches (0: none)
 
 # fmt -> (low bits per q in the qs plane @0, (high bits, their plane's offset) or None,
 #         offset of the per-16 scales (None: 6-bit sc / m per 32 at SB-20 / SB-12), offset z (q - z signed, no dmin))
