@@ -201,6 +201,9 @@ def main(argv=None) -> int:
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
     done, total = 0, sum(p[3] for p in plan)
+    tty = sys.stderr.isatty()
+    if not tty:
+        print(f"make_synthetic: writing {a.out} ({total / 1e9:.2f} GB of tensors)", file=sys.stderr, flush=True)
     for name, tt, shp, nbytes in plan:
         if name == "rope_freqs.weight":        # llama3 scaling: factor 32, low 1, high 4, original context 8192
             hd = D // H
@@ -219,10 +222,11 @@ def main(argv=None) -> int:
             data = np.concatenate(parts) if len(parts) > 1 else parts[0]
         w.write_tensor_data(data)
         done += nbytes
-        print(f"\rmake_synthetic: {done / total:6.1%} {name:32s}", end="", file=sys.stderr, flush=True)
+        if tty:                                 # piped: the one line above says what is happening
+            print(f"\rmake_synthetic: {done / total:6.1%} {name:32s}", end="", file=sys.stderr, flush=True)
     w.close()
     os.replace(tmp, a.out)
-    print(f"\nmake_synthetic: wrote {a.out} ({os.path.getsize(a.out) / 1e9:.2f} GB)", file=sys.stderr)
+    print(("\n" if tty else "") + f"make_synthetic: wrote {a.out} ({os.path.getsize(a.out) / 1e9:.2f} GB)", file=sys.stderr)
     return 0
 
 
