@@ -54,3 +54,40 @@ def test_top_k_off_falls_back_to_host(S):
     for u in (0.1, 0.6, 0.95):
         got, want = _both(S, x, p, [], u)
         assert got == want
+
+
+def _topk_ref(x, K):
+    """The K largest (NaN as -inf, -0.0 as 0.0) by value descending, then id ascending."""
+    w = np.where(np.isnan(x), -np.inf, x).astype(np.float32) + np.float32(0.0)
+    order = np.lexsort((np.arange(len(w)), -w.astype(np.float64)))[:K]
+    return order, w[order]
+
+
+@pytest.mark.parametrize("case", ["ties", "inf", "nan_row", "signed_zero", "kmax"])
+def test_topk_candidates_in_order(S, case):
+    """The radix-select top-k lists exactly the K best candidates, ties at the cut by lower id."""
+    r = np.random.default_rng(3)
+    n, K = V, 7
+    x = np.round(r.standard_normal(n), 1).astype(np.float32)        # many equal values
+    if case == "ties":
+        x[:] = np.float32(1.0)
+        x[[40, 60, 80]] = 2.0                                       # 3 above the cut, then the first 4 ties
+    elif case == "inf":
+        x[::3] = -np.inf
+        x[[9, 90]] = np.inf
+    elif case == "nan_row":
+        x[:] = np.nan                                               # flat: every id ties at -inf
+    elif case == "signed_zero":
+        x[:] = -1.0
+        x[[50, 10, 30]] = [0.0, -0.0, 0.0]                          # equal: by id 10, 30, 50
+        K = 2
+    else:
+        n, K = 1000, S.KMAX
+        x = np.round(r.standard_normal(n), 1).astype(np.float32)
+    p = SamplerParams(temperature=1.0, top_k=K, top_p=1.0, min_p=0.0, repeat_penalty=1.0)
+    S.pick(dev(x), Sampler(p, n), [], 0.5)
+    want_i, want_v = _topk_ref(x, K)
+    got_i = S._BUF["cand"].copy_to_host()[:K]
+    got_v = S._BUF["cval"].copy_to_host()[:K]
+    np.testing.assert_array_equal(got_i, want_i)
+    np.testing.assert_array_equal(got_v, want_v)

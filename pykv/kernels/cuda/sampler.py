@@ -3,9 +3,11 @@
 pick(logits, sampler, history, u) gives the same id as the reference pykv.decoder.sampler.Sampler.pick with the
 same uniform draw u: repetition penalty (the history's distinct recent ids go up, only when a penalty is
 set), then greedy (first maximal logit, NaN never picked) or top-k -> top-p -> min-p -> temperature, in
-float64 like the CPU. Top-k runs as K block-wide argmax passes over the row in one single-block launch,
-so it is for small K: with top-k off or above KMAX the row is copied to the host and the CPU sampler
-picks."""
+float64 like the CPU. Top-k is one single-block launch that reads the row a fixed number of times
+whatever K is: a radix select of the K-th largest value (4 histogram passes of 8 bits over order-preserving
+integer keys), one pass that gathers the values above it and its first ties in index order, and a rank
+sort of the <= KMAX candidates (value descending, then id ascending, as K argmax passes would give them).
+With top-k off or above KMAX the row is copied to the host and the CPU sampler picks."""
 import math
 
 import numpy as np
@@ -58,28 +60,119 @@ def _penalize_kernel(logits, ids, penalty):
         logits[ids[i]] = v * penalty if v <= 0 else v / penalty
 
 
+@cuda.jit(device=True, inline=True)
+def _key(bits):
+    # an unsigned 32-bit key (int64) of the float32 whose bits (int32) are given, in its order (-inf lowest; no NaN)
+    b = np.int64(bits) & 0xFFFFFFFF
+    return (b ^ 0xFFFFFFFF) if b >= 0x80000000 else (b | 0x80000000)
+
+
+@cuda.jit(device=True, inline=True)
+def _topk(work, wbits, K, hist, cnt, tc, tv, cand, cval):
+    """cand/cval[0:K] = the K largest of work (value descending, then index ascending), by the block
+    (wbits: work's bits as int32, the same memory):
+    a radix select of the K-th largest key, a gather in index order, a rank sort."""
+    t = cuda.threadIdx.x
+    nt = cuda.blockDim.x
+    V = work.shape[0]
+    prefix = np.int64(0)
+    mask = np.int64(0)
+    need = K                                   # how many of the keys matching prefix are still wanted
+    for shift in range(24, -8, -8):            # 4 passes of 8 bits, high to low
+        for b in range(t, 256, nt):
+            hist[b] = 0
+        cuda.syncthreads()
+        for j in range(t, V, nt):
+            kk = _key(wbits[j])
+            if kk & mask == prefix:
+                cuda.atomic.add(hist, (kk >> shift) & 255, 1)
+        cuda.syncthreads()
+        if t == 0:                             # the bin that holds the need-th largest matching key
+            above = 0
+            b = 255
+            while b > 0 and above + hist[b] < need:
+                above += hist[b]
+                b -= 1
+            cnt[0] = b
+            cnt[1] = need - above
+        cuda.syncthreads()
+        prefix |= np.int64(cnt[0]) << shift
+        mask |= np.int64(255) << shift
+        need = cnt[1]
+        cuda.syncthreads()
+    # prefix: the K-th largest key; need: how many of its ties (the first ones by index) are in the top K
+    per = (V + nt - 1) // nt                   # thread t gathers the contiguous slice [t*per, (t+1)*per)
+    lo = min(V, t * per)
+    hi = min(V, lo + per)
+    ng = 0
+    ne = 0
+    for j in range(lo, hi):
+        kk = _key(wbits[j])
+        if kk > prefix:
+            ng += 1
+        elif kk == prefix:
+            ne += 1
+    cnt[2 + t] = ng
+    cnt[2 + nt + t] = ne
+    cuda.syncthreads()
+    if t == 0:                                 # exclusive prefix sums: each slice's first slot
+        a = 0
+        e = 0
+        for i in range(nt):
+            x = cnt[2 + i]
+            y = cnt[2 + nt + i]
+            cnt[2 + i] = a
+            cnt[2 + nt + i] = e
+            a += x
+            e += y
+    cuda.syncthreads()
+    og = cnt[2 + t]
+    oe = cnt[2 + nt + t]
+    first_tie = K - need                       # the ties' slots follow the K - need larger values
+    for j in range(lo, hi):
+        v = work[j]
+        kk = _key(wbits[j])
+        if kk > prefix:
+            tc[og] = j
+            tv[og] = v
+            og += 1
+        elif kk == prefix:
+            if oe < need:
+                tc[first_tie + oe] = j
+                tv[first_tie + oe] = v
+            oe += 1
+    cuda.syncthreads()
+    for c in range(t, K, nt):                  # rank sort: the candidates better than c
+        v = tv[c]
+        i = tc[c]
+        r = 0
+        for c2 in range(K):
+            if _better(tv[c2], tc[c2], v, i):
+                r += 1
+        cand[r] = i
+        cval[r] = v
+    cuda.syncthreads()
+
+
 @cuda.jit
-def _sample_kernel(logits, work, K, temp, top_p, min_p, u, cand, cval, out):
-    """out[0] = the sampled id (K == 0: greedy). cand/cval (KMAX,): the top-K ids / logits, descending."""
+def _sample_kernel(logits, work, wbits, K, temp, top_p, min_p, u, cand, cval, tc, tv, cnt, out):
+    """out[0] = the sampled id (K == 0: greedy). cand/cval (KMAX,): the top-K ids / logits, descending.
+    tc / tv (KMAX,), cnt (2 + 2 * blockDim,): _topk's scratch."""
     t = cuda.threadIdx.x
     sv = cuda.shared.array(NT, np.float32)
     si = cuda.shared.array(NT, np.int64)
+    hist = cuda.shared.array(256, np.int32)
     for j in range(t, logits.shape[0], cuda.blockDim.x):
         v = logits[j]
-        work[j] = -math.inf if math.isnan(v) else v
+        work[j] = -math.inf if math.isnan(v) else (np.float32(0.0) if v == 0 else v)   # -0.0: +0.0's key
     cuda.syncthreads()
-    n = max(K, 1)
-    for k in range(n):
+    if K == 0:
         bv, bi = _block_argmax(work, sv, si)
         if t == 0:
-            cand[k] = bi
-            cval[k] = bv
-            work[bi] = -math.inf
-        cuda.syncthreads()
-    if t != 0:
+            out[0] = bi
         return
-    if K == 0:
-        out[0] = cand[0]
+    _topk(work, wbits, K, hist, cnt, tc, tv, cand, cval)
+    if t != 0:
         return
     vmax = np.float64(cval[0])
     flat = vmax == -math.inf          # everything masked: uniform over what is left
@@ -123,8 +216,11 @@ def _sample_kernel(logits, work, K, temp, top_p, min_p, u, cand, cval, out):
 
 def _bufs(V):
     if _BUF.get("V") != V:
-        _BUF.update(V=V, work=cuda.device_array(V, np.float32), cand=cuda.device_array(KMAX, np.int64),
-                    cval=cuda.device_array(KMAX, np.float32), out=cuda.device_array(1, np.int64))
+        work = cuda.device_array(V, np.float32)
+        _BUF.update(V=V, work=work, wbits=work.view(np.int32), cand=cuda.device_array(KMAX, np.int64),
+                    cval=cuda.device_array(KMAX, np.float32), out=cuda.device_array(1, np.int64),
+                    tc=cuda.device_array(KMAX, np.int64), tv=cuda.device_array(KMAX, np.float32),
+                    cnt=cuda.device_array(2 + 2 * NT, np.int32))
     return _BUF
 
 
@@ -149,6 +245,7 @@ def pick(logits, sampler, history, u: float) -> int:
             params = type(p)(**{**p.__dict__, "repeat_penalty": 1.0})
             return type(sampler)(params, V).pick(host, history, u)
     b = _bufs(V)
-    _sample_kernel[1, NT](logits, b["work"], K, np.float64(p.temperature), np.float64(p.top_p),
-                          np.float64(p.min_p), np.float64(u), b["cand"], b["cval"], b["out"])
+    _sample_kernel[1, NT](logits, b["work"], b["wbits"], K, np.float64(p.temperature), np.float64(p.top_p),
+                          np.float64(p.min_p), np.float64(u), b["cand"], b["cval"], b["tc"], b["tv"], b["cnt"],
+                          b["out"])
     return int(b["out"].copy_to_host()[0])
