@@ -79,6 +79,10 @@ class Backend:
     def to_host(self, a) -> np.ndarray:
         return np.asarray(a)
 
+    def copy_span(self, dev, host: np.ndarray, lo: int, hi: int) -> None:
+        """dev[lo:hi] = host[lo:hi] for a backend array dev of host's shape (1-D)."""
+        dev[lo:hi] = host[lo:hi]
+
     def synchronize(self) -> None:
         pass
 
@@ -114,6 +118,9 @@ class CudaBackend(Backend):
 
     def to_host(self, a) -> np.ndarray:
         return a if isinstance(a, np.ndarray) else a.copy_to_host()
+
+    def copy_span(self, dev, host: np.ndarray, lo: int, hi: int) -> None:
+        dev[lo:hi].copy_to_device(np.ascontiguousarray(host[lo:hi]))
 
     def synchronize(self) -> None:
         self.cuda.synchronize()

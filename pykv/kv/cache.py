@@ -316,12 +316,19 @@ class KVCache:
             seq.page_table[i] = p = self.free_pages.pop()
             self.page_refs[p] = 1
         if need or shared:
-            self._upload(seq)
+            taken = need + shared
+            self._upload(seq, min(taken), max(taken) + 1)
 
-    def _upload(self, seq: Sequence) -> None:
-        """The device copy of the page table follows the host's (the same array on the CPU)."""
-        if seq.pt_dev is not seq.page_table:
+    def _upload(self, seq: Sequence, lo: int = 0, hi: int | None = None) -> None:
+        """The device copy of the page table follows the host's (the same array on the CPU): entries
+        lo .. hi - 1 changed, copied into the device array in place (a step that takes a page sends
+        those entries, not a new table)."""
+        if seq.pt_dev is seq.page_table:
+            return
+        if seq.pt_dev is None or hi is None:
             seq.pt_dev = self.be.to_device(seq.page_table)
+        else:
+            self.be.copy_span(seq.pt_dev, seq.page_table, lo, hi)
 
     def fork(self, seq: Sequence) -> Sequence:
         """A new sequence holding the same tokens: the pages are shared (copied on write, see

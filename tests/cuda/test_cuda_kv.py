@@ -230,3 +230,27 @@ def test_klt_types_refused_on_cuda():
     assert KVCache(cfg, 64, "nl4", "nl3b", page_tokens=P, backend=get_backend("cuda")).layers[0].k_fmt.name == "nl4"
     with pytest.raises(PykvError, match="CPU only"):
         KVCache(cfg, 64, "klt2", "f16", page_tokens=P, backend=get_backend("cuda"))
+
+
+def test_page_table_follows_the_host_in_place(be):
+    """A reserve that takes pages copies only those entries into the same device page table; truncate
+    and free keep it equal to the host's too."""
+    cfg = make_cfg(1, 1)
+    _, dev = twin_caches(be, cfg, "f16", "f16", n_seqs=2)
+    seq = dev.new_sequence()
+    first = seq.pt_dev
+    rng = np.random.default_rng(1)
+    for n in (3, 2, 7, 1, 9):                    # batches that straddle pages (P = 4)
+        feed([dev], [seq], n, rng)
+        assert seq.pt_dev is first                # no new device table
+        np.testing.assert_array_equal(dev.be.to_host(seq.pt_dev), seq.page_table)
+    other = dev.new_sequence()                    # a second sequence takes pages in between
+    feed([dev], [other], 5, rng)
+    feed([dev], [seq], 6, rng)
+    np.testing.assert_array_equal(dev.be.to_host(seq.pt_dev), seq.page_table)
+    np.testing.assert_array_equal(dev.be.to_host(other.pt_dev), other.page_table)
+    dev.truncate(seq, 5)
+    np.testing.assert_array_equal(dev.be.to_host(seq.pt_dev), seq.page_table)
+    assert (seq.page_table[2:] < 0).all()
+    dev.free_sequence(seq)
+    np.testing.assert_array_equal(dev.be.to_host(seq.pt_dev), seq.page_table)
