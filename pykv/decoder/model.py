@@ -326,7 +326,7 @@ class Decoder:
         if grp is not None:
             S = len(grp.pos)
             q3, k3, v3 = vw.q3[:S], vw.k3[:S], vw.v3[:S]
-            ops.qkv_prep_seqs(q3, k3, v3, grp.pos, self.cos, self.sin, cfg.rope_dims, grp.shift, grp.scale, li,
+            ops.qkv_prep_seqs(q3, k3, v3, grp.pos_k, self.cos, self.sin, cfg.rope_dims, grp.shift, grp.scale, li,
                               cache.k_smooth[li], self.rot_sign, self.rotate, self.q_mul)
             cache.append_seqs(li, grp, k3, v3)
             cache.attend_seqs(li, grp, q3, vw.att3[:S])

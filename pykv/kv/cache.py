@@ -97,10 +97,13 @@ class DecodeGroup:
     page_tables: np.ndarray  # int32 (S, max_pages)
     meta: np.ndarray         # int64 (S, 3): n_past, attention chunk, offset of its partials in part
     items: np.ndarray        # int32 (N, 2): (sequence, work item of its attention)
-    part: np.ndarray         # f32: the sequences' attention partials, back to back
+    part: np.ndarray         # f32: the sequences' attention partials (decode_group says how)
     shift: np.ndarray        # f32 (S, L, KVH, HD): key smoothing
     scale: np.ndarray
     sinks: np.ndarray        # uint8 (S, L, 2, KVH, NS, 2*HD): f16 sink rows
+    pos_k: object = None     # pos, meta, items where the kernels run (the same arrays on the CPU)
+    meta_k: object = None
+    items_k: object = None
 
 
 def _fmt_list(types, n_layers, what):
@@ -623,7 +626,7 @@ class KVCache:
         KVH, HD, G = self.cfg.n_kv_heads, self.cfg.head_dim, self.cfg.n_heads // self.cfg.n_kv_heads
         S = len(seqs)
         meta = np.zeros((S, 3), np.int64)
-        items, off = [], 0
+        items, off, cmax = [], 0, 1
         for i, s in enumerate(seqs):
             n = s.n_tokens + 1
             chunk = self.chunk_for(n, 1, workers)
@@ -631,6 +634,10 @@ class KVCache:
             meta[i] = (s.n_tokens, chunk, off)
             items.append(np.stack([np.full(KVH * C, i), np.arange(KVH * C)], axis=1))
             off += KVH * C * G * (HD + 2)
+            cmax = max(cmax, C)
+        # the partials: back to back on the CPU; a device kernel cannot reshape, so there one
+        # (S, KVH, most chunks, G, HD + 2) array
+        part = be.zeros(off, np.float32) if be.name == "cpu" else be.zeros((S, KVH, cmax, G, HD + 2), np.float32)
         def stack(arrays):      # one (S, ...) array where the kernels run
             if be.name == "cpu":
                 return np.stack(arrays)
@@ -643,10 +650,11 @@ class KVCache:
             if sinks is None:
                 sinks = self._no_sinks[S] = be.zeros((S,) + tuple(seqs[0].sink_rows.shape), np.uint8)
         smooth = any(self.k_smooth)
-        return DecodeGroup(np.array([s.n_tokens for s in seqs], np.int64), stack([s.page_table for s in seqs]),
-                           meta, np.concatenate(items).astype(np.int32), be.zeros(off, np.float32),
+        pos, items = np.array([s.n_tokens for s in seqs], np.int64), np.concatenate(items).astype(np.int32)
+        return DecodeGroup(pos, stack([s.page_table for s in seqs]), meta, items, part,
                            stack([s.k_shift for s in seqs]) if smooth else self._no_smooth(S, 0.0),
-                           stack([s.k_scale for s in seqs]) if smooth else self._no_smooth(S, 1.0), sinks)
+                           stack([s.k_scale for s in seqs]) if smooth else self._no_smooth(S, 1.0), sinks,
+                           *(be.to_device(a) for a in (pos, meta, items)))
 
     def _no_smooth(self, S: int, value: float):
         """Identity key smoothing rows (S, L, KVH, HD) of a batch size (kept: no layer smooths)."""
@@ -660,7 +668,7 @@ class KVCache:
     def append_seqs(self, li: int, grp: "DecodeGroup", k, v) -> None:
         """append for a decode group: k, v (S, KVH, HD), row s at its sequence's next position."""
         l = self.layers[li]
-        self.be.kvquant.append_seqs(k, v, l.k_pool, l.v_pool, grp.page_tables, grp.pos, self.P, l.k_fmt.code,
+        self.be.kvquant.append_seqs(k, v, l.k_pool, l.v_pool, grp.page_tables, grp.pos_k, self.P, l.k_fmt.code,
                                     l.v_fmt.code)
 
     def attend_seqs(self, li: int, grp: "DecodeGroup", q, out) -> None:
@@ -668,7 +676,7 @@ class KVCache:
         l, S = self.layers[li], q.shape[0]
         self.be.attention.attend_seqs(
             q.reshape(S, 1, *q.shape[1:]), l.k_pool, l.v_pool, self._dummy_res, self._dummy_res, grp.sinks, li,
-            self.n_sink(l.k_fmt, self.NS), self.n_sink(l.v_fmt, self.NS), grp.page_tables, grp.meta, grp.items,
+            self.n_sink(l.k_fmt, self.NS), self.n_sink(l.v_fmt, self.NS), grp.page_tables, grp.meta_k, grp.items_k,
             self.P, l.k_fmt.code, l.k_bits, l.v_fmt.code, self.F16_CODE, grp.part, out.reshape(S, 1, *out.shape[1:]),
             *self._no_kx)
 

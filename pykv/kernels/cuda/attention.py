@@ -230,14 +230,10 @@ def _batch_kernel(q, kpool, vpool, kres, vres, ksink, vsink, page_tables, meta, 
            rcode, part[sq:sq + 1])
 
 
-@cuda.jit
-def _merge_kernel(part, C, G, out):
-    """One block per (query token t, head h): out[t, h] = the C chunks' partials merged with
-    log-sum-exp weights (chunks with sum 0 saw no key)."""
-    th = cuda.blockIdx.x
-    H = out.shape[1]
-    t = th // H
-    h = th % H
+@cuda.jit(device=True, inline=True)
+def _merge_th(part, C, G, t, h, out):
+    """out[t, h] = the C chunks' partials of part merged with log-sum-exp weights (chunks with sum 0
+    saw no key), by the block's threads."""
     g = h // G
     gi = h % G
     mx = float32(-math.inf)
@@ -256,6 +252,43 @@ def _merge_kernel(part, C, G, out):
         out[t, h, i] = a / lsum
 
 
+@cuda.jit
+def _merge_kernel(part, C, G, out):
+    """One block per (query token t, head h): out[t, h] (_merge_th)."""
+    th = cuda.blockIdx.x
+    H = out.shape[1]
+    _merge_th(part, C, G, th // H, th % H, out)
+
+
+@cuda.jit
+def _seqs_kernel(q, kpool, vpool, kres, vres, sinks, li, ns_k, ns_v, page_tables, meta, items, P, kcode, kbits,
+                 vcode, rcode, part):
+    """One block per work item items[i] = (sequence s, item of its attend: KV head x chunk), each with
+    its sequence's own chunk (meta[s]): the CPU's attend_seqs items; s's partials in part[s]."""
+    i = cuda.blockIdx.x
+    s = items[i, 0]
+    it = items[i, 1]
+    n_past = meta[s, 0]
+    chunk = meta[s, 1]
+    C = (n_past + chunk) // chunk
+    c = it % C
+    g = it // C
+    j0 = c * chunk
+    j1 = min(j0 + chunk, n_past + 1)
+    _chunk(q[s], 0, 1, n_past, g, c, j0, j1, kpool, vpool, kres, vres, sinks[s, li, 0], sinks[s, li, 1],
+           page_tables[s], ns_k, ns_v, n_past + 1, n_past + 1, P, kcode, kbits, vcode, rcode, part[s:s + 1])
+
+
+@cuda.jit
+def _merge_seqs_kernel(part, meta, out):
+    """One block per (sequence s, head h): out[s, 0, h] from s's partials part[s] (_merge_th)."""
+    sh = cuda.blockIdx.x
+    H = out.shape[2]
+    s = sh // H
+    C = (meta[s, 0] + meta[s, 1]) // meta[s, 1]
+    _merge_th(part[s:s + 1], C, H // part.shape[1], 0, sh % H, out[s])
+
+
 def _check(HD, G):
     if HD > HDMAX or G > RMAX:
         raise PykvError(f"cuda attention supports head_dim <= {HDMAX} and <= {RMAX} query heads per KV head "
@@ -264,17 +297,18 @@ def _check(HD, G):
 
 def attend_seqs(q, kpool, vpool, kres, vres, sinks, li, ns_k, ns_v, page_tables, meta, items, P, kcode, kbits,
                 vcode, rcode, part, out, kx=None, cos=None, sin=None) -> None:
-    """attention.attend_seqs on the device: attend's launch per sequence of a batched decode step, q (S, 1,
-    H, HD) -> out (S, 1, H, HD); meta (host) as the CPU's (n_past, chunk, offset of its partials in the
-    flat part); items unused (one launch covers a sequence's items)."""
-    KVH, H, HD = kpool.shape[0], q.shape[2], q.shape[3]
-    G = H // KVH
-    for s in range(q.shape[0]):
-        n_past, chunk, off = (int(x) for x in meta[s])
-        C = (n_past + chunk) // chunk
-        ps = part[off:off + KVH * C * G * (HD + 2)].reshape((1, KVH, C, G, HD + 2))
-        attend(q[s], kpool, vpool, kres, vres, sinks[s, li, 0], sinks[s, li, 1], page_tables[s], n_past, ns_k, ns_v,
-               n_past + 1, n_past + 1, 0, 0, P, kcode, kbits, vcode, rcode, chunk, ps, out[s], kx, cos, sin)
+    """attention.attend_seqs on the device: q (S, 1, H, HD) -> out (S, 1, H, HD) in two launches for
+    all S sequences (the items, then the merge), each sequence with its own chunk; meta (S, 3) and items
+    (N, 2) as the CPU's, device arrays (KVCache.decode_group puts them there); part (S, KVH, C, G, HD + 2)
+    with C the most chunks of a sequence (meta's offsets unused)."""
+    if kx is not None:
+        raise PykvError("pre-RoPE keys run on the CPU only for now")
+    S, H, HD = q.shape[0], q.shape[2], q.shape[3]
+    KVH = kpool.shape[0]
+    _check(HD, H // KVH)
+    _seqs_kernel[items.shape[0], NT](q, kpool, vpool, kres, vres, sinks, li, ns_k, ns_v, page_tables, meta, items, P,
+                                     kcode, kbits, vcode, rcode, part)
+    _merge_seqs_kernel[S * H, NT](part, meta, out)
 
 
 def attend(q, kpool, vpool, kres, vres, ksink, vsink, page_table, n_past, ns_k, ns_v, nq_k, nq_v, wk, wv, P,

@@ -44,12 +44,36 @@ def append_rows(x, pool, page_table, start, P, code) -> None:
     _append_kernel[blocks_for(T * KVH * NU, TPB), TPB](x, pool, page_table, start, P, code, NU)
 
 
+@cuda.jit
+def _append_seqs_kernel(k, v, kpool, vpool, page_tables, pos, P, kcode, vcode, NUK, NUV):
+    # one thread per (sequence s, KV head g, piece of its K row then of its V row)
+    i = cuda.grid(1)
+    KVH = k.shape[1]
+    per = KVH * (NUK + NUV)
+    if i < k.shape[0] * per:
+        s = i // per
+        r = i % per
+        j = pos[s]
+        if r < KVH * NUK:
+            g = r // NUK
+            rb = kpool.shape[2] // P
+            o = (j % P) * rb
+            _quantize_block(kcode, k[s, g], r % NUK, kpool[g, page_tables[s, j // P], o:o + rb])
+        else:
+            r -= KVH * NUK
+            g = r // NUV
+            rb = vpool.shape[2] // P
+            o = (j % P) * rb
+            _quantize_block(vcode, v[s, g], r % NUV, vpool[g, page_tables[s, j // P], o:o + rb])
+
+
 def append_seqs(k, v, kpool, vpool, page_tables, pos, P, kcode, vcode) -> None:
-    # kvquant.append_seqs on the device: append_rows's launches per sequence of a batched decode step
-    # (row s at token pos[s] (host) through page_tables[s])
-    for s in range(k.shape[0]):
-        append_rows(k[s:s + 1], kpool, page_tables[s], int(pos[s]), P, kcode)
-        append_rows(v[s:s + 1], vpool, page_tables[s], int(pos[s]), P, vcode)
+    # kvquant.append_seqs on the device, one launch: k, v (S, KVH, HD), row s at token pos[s] (a device
+    # array) through page_tables[s]
+    S, KVH, HD = k.shape
+    NUK, NUV = row_units(kcode, HD), row_units(vcode, HD)
+    _append_seqs_kernel[blocks_for(S * KVH * (NUK + NUV), TPB), TPB](k, v, kpool, vpool, page_tables, pos, P,
+                                                                     kcode, vcode, NUK, NUV)
 
 
 @cuda.jit

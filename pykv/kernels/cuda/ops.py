@@ -159,14 +159,12 @@ def _fwht_sh(sv, sign, inverse, HD):
     cuda.syncthreads()
 
 
-@cuda.jit
-def _qkv_prep_kernel(q, k, v, pos0, cos, sin, n_rot, do_rope, shift, scale, smooth, sign, rotate, qmul):
-    t = cuda.blockIdx.x
-    g = cuda.blockIdx.y
+@cuda.jit(device=True, inline=True)
+def _qkv_prep_tg(q, k, v, t, g, p, cos, sin, n_rot, do_rope, shift, scale, smooth, sign, rotate, qmul):
+    # row t, KV group g at position p, by the block's HD threads (shift, scale: (KVH, HD))
     i = cuda.threadIdx.x
     HD = q.shape[2]
     G = q.shape[1] // k.shape[1]
-    p = pos0 + t
     sv = cuda.shared.array(HDMAX, np.float32)
     sv[i] = k[t, g, i]
     cuda.syncthreads()
@@ -198,6 +196,20 @@ def _qkv_prep_kernel(q, k, v, pos0, cos, sin, n_rot, do_rope, shift, scale, smoo
         cuda.syncthreads()
 
 
+@cuda.jit
+def _qkv_prep_kernel(q, k, v, pos0, cos, sin, n_rot, do_rope, shift, scale, smooth, sign, rotate, qmul):
+    t = cuda.blockIdx.x
+    _qkv_prep_tg(q, k, v, t, cuda.blockIdx.y, pos0 + t, cos, sin, n_rot, do_rope, shift, scale, smooth, sign,
+                 rotate, qmul)
+
+
+@cuda.jit
+def _qkv_prep_seqs_kernel(q, k, v, pos, cos, sin, n_rot, shift, scale, li, smooth, sign, rotate, qmul):
+    s = cuda.blockIdx.x
+    _qkv_prep_tg(q, k, v, s, cuda.blockIdx.y, pos[s], cos, sin, n_rot, True, shift[s, li], scale[s, li], smooth,
+                 sign, rotate, qmul)
+
+
 def _check_hd(HD):
     if HD > HDMAX:
         raise ValueError(f"cuda ops: head_dim {HD} > {HDMAX}")
@@ -213,11 +225,12 @@ def qkv_prep(q, k, v, pos0, cos, sin, n_rot, do_rope, shift, scale, smooth, sign
 
 
 def qkv_prep_seqs(q, k, v, pos, cos, sin, n_rot, shift, scale, li, smooth, sign, rotate, qmul) -> None:
-    """ops.qkv_prep_seqs on the device: qkv_prep's launch per sequence of a batched decode step (row s at
-    position pos[s] (host), its smoothing shift[s, li], scale[s, li])."""
-    for s in range(q.shape[0]):
-        qkv_prep(q[s:s + 1], k[s:s + 1], v[s:s + 1], int(pos[s]), cos, sin, n_rot, True, shift[s, li], scale[s, li],
-                 smooth, sign, rotate, qmul)
+    """ops.qkv_prep_seqs on the device, one launch: row s of q (S, H, HD), k, v (S, KVH, HD) at position
+    pos[s] (a device array), its smoothing shift[s, li], scale[s, li]."""
+    S, H, HD = q.shape
+    _check_hd(HD)
+    _qkv_prep_seqs_kernel[(S, k.shape[1]), HD](q, k, v, pos, cos, sin, int(n_rot), shift, scale, int(li),
+                                               bool(smooth), sign, bool(rotate), f32(qmul))
 
 
 @cuda.jit(device=True, inline=True)
