@@ -101,9 +101,9 @@ class DecodeGroup:
     shift: np.ndarray        # f32 (S, L, KVH, HD): key smoothing
     scale: np.ndarray
     sinks: np.ndarray        # uint8 (S, L, 2, KVH, NS, 2*HD): f16 sink rows
-    pos_k: object = None     # pos, meta, items where the kernels run (the same arrays on the CPU)
-    meta_k: object = None
-    items_k: object = None
+    pos_k: object            # pos, meta, items where the kernels run (the same arrays on the CPU)
+    meta_k: object
+    items_k: object
 
 
 def _fmt_list(types, n_layers, what):

@@ -23,18 +23,22 @@ _kivi_kpage_group = dev(kivi_kpage_group)
 _deq_unit = dev(deq_unit)
 
 
+@cuda.jit(device=True, inline=True)
+def _append_unit(code, x, u, pool, g, page_table, j, P):
+    # piece u of row x (HD,) quantized into token j's slot of KV head g
+    rb = pool.shape[2] // P
+    o = (j % P) * rb
+    _quantize_block(code, x, u, pool[g, page_table[j // P], o:o + rb])
+
+
 @cuda.jit
 def _append_kernel(x, pool, page_table, start, P, code, NU):
     i = cuda.grid(1)
     KVH = x.shape[1]
     if i < x.shape[0] * KVH * NU:
-        u = i % NU
         t = i // (NU * KVH)
         g = (i // NU) % KVH
-        j = start + t
-        rb = pool.shape[2] // P
-        o = (j % P) * rb
-        _quantize_block(code, x[t, g], u, pool[g, page_table[j // P], o:o + rb])
+        _append_unit(code, x[t, g], i % NU, pool, g, page_table, start + t, P)
 
 
 def append_rows(x, pool, page_table, start, P, code) -> None:
@@ -53,18 +57,11 @@ def _append_seqs_kernel(k, v, kpool, vpool, page_tables, pos, P, kcode, vcode, N
     if i < k.shape[0] * per:
         s = i // per
         r = i % per
-        j = pos[s]
         if r < KVH * NUK:
-            g = r // NUK
-            rb = kpool.shape[2] // P
-            o = (j % P) * rb
-            _quantize_block(kcode, k[s, g], r % NUK, kpool[g, page_tables[s, j // P], o:o + rb])
+            _append_unit(kcode, k[s, r // NUK], r % NUK, kpool, r // NUK, page_tables[s], pos[s], P)
         else:
             r -= KVH * NUK
-            g = r // NUV
-            rb = vpool.shape[2] // P
-            o = (j % P) * rb
-            _quantize_block(vcode, v[s, g], r % NUV, vpool[g, page_tables[s, j // P], o:o + rb])
+            _append_unit(vcode, v[s, r // NUV], r % NUV, vpool, r // NUV, page_tables[s], pos[s], P)
 
 
 def append_seqs(k, v, kpool, vpool, page_tables, pos, P, kcode, vcode) -> None:
