@@ -241,20 +241,26 @@ def test_probe_scores_a_stride_of_positions(tiny, monkeypatch):
 
 
 def test_auto_choices_follow_the_budget(tiny):
-    """--kv-bits alone: the candidates narrow with the target, and the window shrinks until the
-    cheapest candidate in every layer plus the window fits the budget (none when nothing is left);
-    below 2.75 bits it takes every byte left, as iq4_nl rows, up to an eighth of the context."""
+    """--kv-bits alone: the candidates narrow with the target (no CPU-only type where the device runs
+    none), and the window shrinks until the cheapest candidate in every layer plus the window fits the
+    budget (none when nothing is left); rows None: every byte left, up to an eighth of the context."""
+    from pykv.files.formats import KV_FORMATS
     cfg, n = tiny.config, 512
-    assert KP.auto_types(4.5) == KP.AUTO_TYPES[1][1] and KP.auto_types(2.5) == ("nl2", "nl2b")
+    assert KP.auto_types(4.5) == KP.AUTO_TYPES[1][1] and KP.auto_types(2.5) == ("tc1b", "tc2b", "tc3b")
+    assert KP.auto_types(2.5, "cuda") == ("nl2", "nl2b") and KP.auto_types(0.5) == KP.auto_types(2.5)
+    assert "tc3b" in KP.auto_types(4.5) and "tc3b" in KP.auto_types(3.0) and "nl3b" in KP.auto_types(3.0, "cuda")
+    for bits in (8.0, 4.5, 3.0, 2.5):
+        assert not any(KV_FORMATS[t].tc_len or KV_FORMATS[t].kind == "klt" for t in KP.auto_types(bits, "cuda"))
     assert "q8_0" in KP.auto_types(6.0) and "q8_0" not in KP.auto_types(3.0)
-    assert KP.auto_window_kind(3.0) == (32, "q8_0") and KP.auto_window_kind(2.5) == (None, "iq4_nl")
-    types = KP.auto_types(2.5)
+    assert KP.auto_window_kind(3.0) == (32, "q8_0") and KP.auto_window_kind(2.5) == (48, "q8_0")
+    types = ("nl2", "nl2b")
     L = cfg.n_layers
     floor = KP.plan_bytes(cfg, ["nl2b"] * L, ["nl2b"] * L, n)
     assert KP.auto_window(cfg, n, KP.bits_to_bytes(cfg, 8.0), types, rows=32, window_type="q8_0") == 32
     assert KP.auto_window(cfg, n, KP.bits_to_bytes(cfg, 8.0), types) == n // 8
     for wt in ("q8_0", "iq4_nl"):
         assert KP.auto_window(cfg, n, floor, types, window_type=wt) == 0
+        assert KP.auto_window(cfg, n, floor, types + ("tc1b",), window_type=wt) > 0   # bytes above tc1b
         row = KP.plan_bytes(cfg, ["nl2b"] * L, ["nl2b"] * L, n, window=1, window_type=wt) - floor
         w = KP.auto_window(cfg, n, floor + 10.5 * row, types, window_type=wt)
         assert w == 10

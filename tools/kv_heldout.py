@@ -24,7 +24,7 @@ import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TARGETS = {4.5: 0.005, 3.0: 0.03, 2.5: 0.06}
-UNIFORM = "q8_0,q5_1,q5_0,q4_1,q4_0,iq4_nl,nl4,nl3,nl3b,nl2,nl2b,int4,int2,klt3/nl3b,klt2/nl2b"
+UNIFORM = "q8_0,q5_1,q5_0,q4_1,q4_0,iq4_nl,nl4,nl3,nl3b,tc3b,nl2,nl2b,tc2b,tc1b,int4,int2,klt3/nl3b,klt2/nl2b"
 
 
 def log_probs(model, ids):

@@ -32,20 +32,20 @@ from pykv.files.formats import KV_FORMATS, kv_bytes_per_token_head, parse_kv_typ
 
 DEFAULT_TYPES = ("q8_0", "q5_1", "q5_0", "q4_1", "q4_0", "iq4_nl", "nl4", "nl3", "nl3b", "nl2", "nl2b")
 # what an automatic plan (--kv-bits alone) tries, by the target's bits per value: the candidates the
-# research runs of docs/kv-formats.md chose from at 4.5, 3 and 2.5 bits (tools/kv_auto.py)
-AUTO_TYPES = ((5.0, ("q8_0", "q5_1", "q5_0", "q4_1", "q4_0", "iq4_nl", "nl4", "nl3b")),
-              (4.0, ("q4_0", "iq4_nl", "nl4", "nl3", "nl3b", "nl2b")),
-              (2.75, ("nl3", "nl3b", "nl2", "nl2b")),
-              (0.0, ("nl2", "nl2b")))
-# its token-adaptive window, by the same bits: (floor, rows, row type); rows None: every byte above the
-# cheapest candidate in every layer (only 2-bit types are left there), as iq4_nl rows, the most rows for
-# those bytes.  At most an eighth of the context; fewer rows when the bytes run out.
-AUTO_WINDOWS = ((4.0, 64, "q8_0"), (2.75, 32, "q8_0"), (0.0, None, "iq4_nl"))
+# runs of docs/kv-formats.md chose from at 4.5, 3 and 2.5 bits (tools/kv_auto.py, tools/kv_configs.py),
+# then the same where the device runs no CPU-only type (the trellis-coded tc types; None: the same)
+AUTO_TYPES = ((5.0, ("q8_0", "q5_1", "q5_0", "q4_1", "q4_0", "iq4_nl", "nl4", "nl3b"), None),
+              (4.0, ("q4_0", "iq4_nl", "nl4", "tc3b", "tc2b"), ("q4_0", "iq4_nl", "nl4", "nl3", "nl3b", "nl2b")),
+              (2.75, ("tc2b", "tc3b", "nl4"), ("nl3", "nl3b", "nl2", "nl2b")),
+              (0.0, ("tc1b", "tc2b", "tc3b"), ("nl2", "nl2b")))
+# its token-adaptive window, by the same bits: (floor, rows, row type); at most an eighth of the
+# context, fewer rows when the cheapest candidate in every layer plus the window no longer fits.
+AUTO_WINDOWS = ((4.0, 64, "q8_0"), (2.75, 32, "q8_0"), (0.0, 48, "q8_0"))
 AUTO_GROUPS = 6           # sensitivity probes per side: layers in runs of L / 6
 AUTO_REFINE = 1
 CALIB_TOKENS = 512   # kv-sensitivity's default; plans calibrate at the model's context (plan_for)
-PLAN_VERSION = 4     # 2: query-aware key smoothing, pre-RoPE keys; 3: klt keys probed per layer group;
-                     # 4: KL over a stride of positions (KL_POSITIONS)
+PLAN_VERSION = 5     # 2: query-aware key smoothing, pre-RoPE keys; 3: klt keys probed per layer group;
+                     # 4: KL over a stride of positions (KL_POSITIONS); 5: trellis-coded types
 KL_POSITIONS = 256   # a probe's KL is the mean over about this many positions, evenly spaced
 N_SINK = 4           # kv_cache.N_SINK (the default sink rows)
 _UNIT = 4          # knapsack cost unit: 1/4 byte per token
@@ -273,7 +273,7 @@ def sensitivity(model_path, ids, types=DEFAULT_TYPES, exact: bool = False, use_c
     pre = None if model is None else model._kv_opts.get("k_prerope")   # None: the default (on, CPU)
     key = hashlib.sha256(json.dumps([PLAN_VERSION, fingerprint(model_path), list(map(int, ids)), types,
                                      bool(exact), int(window), int(sinks), int(group), window_type,
-                                     kv_cache.SMOOTH_MODE, pre, KL_POSITIONS]).encode()).hexdigest()[:24]
+                                     kv_cache.SMOOTH_MODE, pre, KL_POSITIONS, _codebooks()]).encode()).hexdigest()[:24]
     path = os.path.join(_cache_dir(), key + ".json")
     if use_cache and os.path.exists(path):
         try:
@@ -467,28 +467,27 @@ def refine(pr, table, cfg, n_ctx, budget_bytes, page_tokens: int = 32, steps: in
     return best
 
 
-def auto_types(bits: float) -> tuple:
-    """The candidate types of an automatic plan at this many bits per value (AUTO_TYPES)."""
-    for floor, ts in AUTO_TYPES:
-        if bits >= floor:
-            return ts
-    return AUTO_TYPES[-1][1]
+def auto_types(bits: float, device: str = "cpu") -> tuple:
+    """The candidate types of an automatic plan at this many bits per value on this device (AUTO_TYPES)."""
+    for floor, ts, other in AUTO_TYPES:
+        if bits >= floor or floor == AUTO_TYPES[-1][0]:
+            return ts if device == "cpu" or other is None else other
 
 
 def auto_window_kind(bits: float) -> tuple:
-    """(rows or None, row type) of an automatic plan's window at this many bits per value (AUTO_WINDOWS)."""
+    """(rows, row type) of an automatic plan's window at this many bits per value (AUTO_WINDOWS)."""
     for floor, rows, wt in AUTO_WINDOWS:
-        if bits >= floor:
+        if bits >= floor or floor == AUTO_WINDOWS[-1][0]:
             return rows, wt
-    return AUTO_WINDOWS[-1][1:]
 
 
 def auto_window(cfg, n_ctx: int, budget_bytes: float, types, page_tokens: int = 32, sinks: int = N_SINK,
-                rows=None, window_type: str = "iq4_nl") -> int:
+                rows=None, window_type: str = "q8_0") -> int:
     """The window rows of an automatic plan: `rows` (None: an eighth of the context, at most), fewer
     until the cheapest candidate in every layer plus the window fits the budget (0: none fits).
     Chosen on the development texts (tools/kv_configs.py, docs/kv-formats.md): at 3 bits 32 q8_0 rows
-    beat 64 (the bytes buy 3-bit keys, which matter more), at 2.5 bits iq4_nl rows beat fewer q8_0 rows."""
+    beat 48 and 64 (the bytes buy 3-bit keys, which matter more), at 2.5 bits 48 q8_0 rows beat 16, 32,
+    64 and 71 iq4_nl rows."""
     L = cfg.n_layers
     cheap = min(types, key=lambda t: plan_bytes(cfg, [t] * L, [t] * L, n_ctx, page_tokens, 0, sinks))
     lo, hi = 0, n_ctx // 8 if rows is None else min(int(rows), n_ctx // 8)
@@ -508,6 +507,12 @@ def _n_runs(L: int, types, exact: bool, group: int) -> int:
     n_klt = sum(parse_kv_type(t).kind == "klt" for t in types)
     starts = len(range(0, L, group))
     return 2 * starts + 2 * len(types) + n_klt * starts
+
+
+def _codebooks() -> str:
+    """A digest of the trellis codebooks (pykv/data/trellis.npz): retrained ones make cached tables stale."""
+    from pykv.kernels.blocks import TC_TABLE
+    return hashlib.sha256(TC_TABLE.tobytes()).hexdigest()[:12]
 
 
 def _plan_cache_path(key_parts) -> str:
@@ -538,14 +543,15 @@ def plan_for(model, kv_bits=None, budget_bytes=None, calib=None, types=None, exa
         budget_bytes = bits_to_bytes(cfg, float(kv_bits))
     opts = getattr(model, "_kv_opts", {})
     sinks = opts.get("kv_sinks", N_SINK) if sinks is None else int(sinks)
-    types = auto_types(bits_per_value(cfg, budget_bytes)) if types is None else tuple(types)
+    device = getattr(model, "device", "cpu")
+    types = auto_types(bits_per_value(cfg, budget_bytes), device) if types is None else tuple(types)
     types = [parse_kv_type(t).name for t in types]
     P = model.cache.P
     if windows is None:                   # the planner's own window (AUTO_WINDOWS) unless told otherwise
         rows, wt = auto_window_kind(bits_per_value(cfg, budget_bytes))
         wt = wt if window_type is None else window_type
         windows = [auto_window(cfg, model.n_ctx, budget_bytes, types, P, sinks, rows, wt)
-                   if getattr(model, "device", "cpu") == "cpu" else 0]
+                   if device == "cpu" else 0]
     else:
         wt = opts.get("kv_window_type", "f16") if window_type is None else window_type
         windows = [int(w) for w in windows]
@@ -555,7 +561,7 @@ def plan_for(model, kv_bits=None, budget_bytes=None, calib=None, types=None, exa
     pre = opts.get("k_prerope")
     cache_path = _plan_cache_path([PLAN_VERSION, fingerprint(model.path), list(map(int, ids)), types, bool(exact),
                                    windows, sinks, wt, group, refine_steps, round(float(budget_bytes), 6),
-                                   int(model.n_ctx), int(P), kv_cache.SMOOTH_MODE, pre, KL_POSITIONS])
+                                   int(model.n_ctx), int(P), kv_cache.SMOOTH_MODE, pre, KL_POSITIONS, _codebooks()])
     if use_cache and os.path.exists(cache_path):
         try:
             plan = read_plan(cache_path, L)

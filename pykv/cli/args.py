@@ -3,7 +3,7 @@ from __future__ import annotations
 import argparse
 from pykv.files.config import PykvError
 
-KV_HELP = "KV cache type: f32 f16 bf16 q8_0 q4_0 q4_1 q5_0 q5_1 iq4_nl fp8_e4m3 fp8_e5m2 int4 int2 nl4 nl3 nl2 nl3b nl2b, keys only: klt3 klt2"
+KV_HELP = "KV cache type: f32 f16 bf16 q8_0 q4_0 q4_1 q5_0 q5_1 iq4_nl fp8_e4m3 fp8_e5m2 int4 int2 nl4 nl3 nl2 nl3b nl2b tc3b tc2b tc1b, keys only: klt3 klt2"
 
 
 def _model_args(p: argparse.ArgumentParser, with_prompt: bool = False) -> None:

@@ -28,6 +28,12 @@ Byte cost of ONE token's head vector (``head_dim`` values) -- ``row_bytes``:
                           variance: the few channels that carry most of q.k get 6-8 bits, the tail 1-2.
 * nl3b / nl2b (pykv's own): nl3 / nl2 with the block scale in one byte e: d = 2^((e - 160) / 8) (e = 0:
                           an all-zero block), 25 / 17 bytes per 64 values -> 3.125 / 2.125 bits per value.
+* tc3b / tc2b / tc1b (pykv's own): trellis-coded blocks of 64 with nl3b / nl2b's bytes ([e][64 k-bit
+                          symbols], k = 3 / 2; tc1b: 1, 9 bytes, 1.125 bits per value): value j =
+                          d * TC_TABLE[window of the ``tc_len`` (9 / 8 / 8) stream bits
+                          ending after symbol j] (zero bits before the stream), chosen by a Viterbi search
+                          over the whole block (a bitshift trellis, as QTIP's): ~26 % less squared error
+                          than nl3b / nl2b at the same 3.125 / 2.125 bits per value.
 
 ``bytes_per_token`` sums K and V over layers and KV heads; the f16 residual page KIVI keeps per
 sequence (a constant, not a per-token cost) is not included.
@@ -43,7 +49,8 @@ __all__ = [
     "kv_bytes_per_token_head", "bytes_per_token", "bits_per_value",
     "CODE_F32", "CODE_F16", "CODE_BF16", "CODE_Q8_0", "CODE_Q4_0", "CODE_Q4_1", "CODE_Q5_0",
     "CODE_Q5_1", "CODE_IQ4_NL", "CODE_FP8_E4M3", "CODE_FP8_E5M2", "CODE_INT4", "CODE_INT2",
-    "CODE_NL4", "CODE_NL3", "CODE_NL2", "CODE_KLT3", "CODE_KLT2", "CODE_NL3B", "CODE_NL2B", "N_CODES",
+    "CODE_NL4", "CODE_NL3", "CODE_NL2", "CODE_KLT3", "CODE_KLT2", "CODE_NL3B", "CODE_NL2B", "CODE_TC3B",
+    "CODE_TC2B", "CODE_TC1B", "N_CODES",
 ]
 
 
@@ -59,6 +66,7 @@ class KVFormat:
     row_extra: int = 0   # bytes per row on top of the blocks (fp8: the f32 row scale)
     nl_runs: tuple = ()  # nl / klt: the block's code widths as runs ((positions, bits), ...) summing to 64
     nl_scale: int = 2    # nl / klt: bytes of the block scale: 2 = f16 d, 1 = a log2 byte (d = 2^((e - 160) / 8))
+    tc_len: int = 0      # tc: bits of the trellis window each value is read from (0: not trellis-coded)
 
 
 CODE_F32 = 0
@@ -81,7 +89,10 @@ CODE_KLT3 = 16
 CODE_KLT2 = 17
 CODE_NL3B = 18
 CODE_NL2B = 19
-N_CODES = 20
+CODE_TC3B = 20
+CODE_TC2B = 21
+CODE_TC1B = 22
+N_CODES = 23
 
 _F = KVFormat
 # name                 code            bs  bytes  bits   kind     ggml type
@@ -109,6 +120,10 @@ KV_FORMATS: dict[str, KVFormat] = {f.name: f for f in (
     # nl3 / nl2 with the block scale in one log2 byte (steps of 2^(1/8)): an eighth of a bit less per value
     _F("nl3b",     CODE_NL3B,     64, 25, 3.125, "nl",    None, nl_runs=((64, 3),), nl_scale=1),
     _F("nl2b",     CODE_NL2B,     64, 17, 2.125, "nl",    None, nl_runs=((64, 2),), nl_scale=1),
+    # nl3b / nl2b's bytes, each value read through a trellis window of 9 / 8 stream bits
+    _F("tc3b",     CODE_TC3B,     64, 25, 3.125, "nl",    None, nl_runs=((64, 3),), nl_scale=1, tc_len=9),
+    _F("tc2b",     CODE_TC2B,     64, 17, 2.125, "nl",    None, nl_runs=((64, 2),), nl_scale=1, tc_len=8),
+    _F("tc1b",     CODE_TC1B,     64,  9, 1.125, "nl",    None, nl_runs=((64, 1),), nl_scale=1, tc_len=8),
 )}
 del _F
 
@@ -123,6 +138,8 @@ def _check_table() -> None:
             nbits = sum(n * b for n, b in f.nl_runs)
             assert nbits % 8 == 0 and f.nl_scale + nbits // 8 == f.block_bytes and f.nl_scale in (1, 2), f
             assert all(n & (n - 1) == 0 and 1 <= b <= 8 for n, b in f.nl_runs), f   # Hadamard per run
+            if f.tc_len:                 # one symbol width, a window of at least two symbols, <= 9 bits
+                assert len(f.nl_runs) == 1 and 2 * f.nl_runs[0][1] <= f.tc_len <= 9 and f.nl_scale == 1, f
     assert sorted(KV_CODES) == list(range(len(KV_FORMATS))) == list(range(N_CODES))
 
 

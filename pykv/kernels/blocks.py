@@ -26,6 +26,8 @@ and attention gets its fast-math build of the same code.  Indices are np.uint64:
 negative-index wraparound selects (which turn contiguous loads into gathers).  f16 is decoded by
 kernels.simd.h2f (hardware half -> float, vectorizes).  Like every kernel here: no bounds checks.
 """
+import os
+
 import numpy as np
 from numba import njit
 
@@ -71,7 +73,21 @@ for _f in KV_FORMATS.values():
         NL_BITS[_f.code] = _w
         NL_OFF[_f.code] = np.concatenate([[0], np.cumsum(_w)[:-1]])
         NL_BYTES[_f.code] = _f.block_bytes
-del _b, _h, _n, _f, _w
+# trellis-coded formats (tc3b / tc2b, formats.tc_len > 0): TC_LEN[code] = the window L in bits, TC_ROW[code]
+# = its codebook's row of TC_TABLE (2^L levels for a unit Gaussian, trained by tools/train_trellis.py with
+# the encoder trellis.tc_viterbi; pykv/data/trellis.npz)
+TC_LEN = np.zeros(N_CODES, np.int32)
+TC_ROW = np.zeros(N_CODES, np.int32)
+_tc = [f for f in KV_FORMATS.values() if f.tc_len]
+TC_TABLE = np.zeros((max(1, len(_tc)), 512), np.float32)
+TC_FILE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "trellis.npz")
+_cbs = np.load(TC_FILE) if os.path.exists(TC_FILE) else {}
+for _i, _f in enumerate(_tc):
+    TC_LEN[_f.code] = _f.tc_len
+    TC_ROW[_f.code] = _i
+    if _f.name in _cbs and _cbs[_f.name].shape == (1 << _f.tc_len,):
+        TC_TABLE[_i, :1 << _f.tc_len] = _cbs[_f.name]
+del _b, _h, _n, _f, _w, _i, _tc, _cbs
 
 
 # The nl tables are read only through these four functions, each with one signature (int64 indices): a
@@ -97,6 +113,18 @@ def nl_offset(code, j):
 
 
 @njit(cache=True)
+def tc_len(code):
+    """TC_LEN[code] as int64: the trellis window of a tc format in bits (0: not trellis-coded)."""
+    return np.int64(TC_LEN[code])
+
+
+@njit(cache=True)
+def tc_level(code, i):
+    """TC_TABLE[TC_ROW[code], i]: level i of a tc format's trellis codebook."""
+    return TC_TABLE[TC_ROW[code], i]
+
+
+@njit(cache=True)
 def nl_e8(e):
     """NL_E8[e] = 2^((e - 160) / 8): the byte scale e's d (e = 0: 0.0)."""
     return NL_E8[e]
@@ -104,7 +132,7 @@ def nl_e8(e):
 __all__ = ["deq_q8_0", "deq_q4_0", "deq_q4_1", "deq_q5", "deq_iq4_nl", "deq_int2", "deq_f32",
            "deq_f16", "deq_bf16", "deq_fp8", "deq_rows", "deq_kivi_k_rows", "deq_unit", "deq_kivi_k_unit", "rd_f16",
            "rd_f32", "rd_u32", "KVALUES_IQ4NL", "IQ4NL_F", "NL_TABLE", "NL_BITS", "NL_OFF", "NL_BYTES", "NL_SCALE", "NL_E8", "deq_nl",
-           "nl_level", "nl_width", "nl_offset", "nl_e8"]
+           "nl_level", "nl_width", "nl_offset", "nl_e8", "TC_LEN", "TC_ROW", "TC_TABLE", "tc_len", "tc_level"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -191,11 +219,28 @@ def deq_nl(src, so, out, oo, code):
     """nl-family block of 64 [scale][code bytes] (format `code`: nl4/nl3/nl2, klt3/klt2, nl3b/nl2b; the
     scale an f16 d, or one byte e: d = NL_E8[e]): element j's code is the NL_BITS[code, j] bits from
     bit NL_OFF[code, j] of the code bytes read as one little-endian bit stream; value = d *
-    NL_TABLE[bits, code] (code widths <= 8)."""
+    NL_TABLE[bits, code] (code widths <= 8).  Trellis-coded (tc_len(code) = L > 0, k-bit symbols): value j =
+    d * tc_level(code, w), w the L stream bits ending after symbol j (bits before the stream are 0)."""
     o = U(so)
     sb = NL_SCALE[code]
     d = rd_f16(src, o) if sb == 2 else nl_e8(np.int64(src[o]))
     c = np.int64(code)
+    L = tc_len(c)
+    if L > 0:
+        k = nl_width(c, np.int64(0))
+        msk = (np.int64(1) << L) - 1
+        for j in range(64):
+            start = k * j + k - L
+            if start < 0:
+                v = np.int64(src[o + U(sb)]) << (-start)
+            else:
+                p = o + U(sb + (start >> 3))
+                sh = start & 7
+                v = np.int64(src[p]) >> sh
+                if sh + L > 8:
+                    v |= np.int64(src[p + U(1)]) << (8 - sh)
+            out[U(oo + j)] = d * tc_level(c, v & msk)
+        return
     for j in range(64):
         bits = nl_width(c, np.int64(j))
         bit = nl_offset(c, np.int64(j))

@@ -64,10 +64,12 @@ import numpy as np
 from numba import njit, prange
 
 from pykv.files.formats import (CODE_BF16, CODE_F16, CODE_F32, CODE_FP8_E4M3, CODE_FP8_E5M2, CODE_INT2,
-                       CODE_INT4, CODE_IQ4_NL, CODE_Q4_0, CODE_Q4_1, CODE_Q5_0, CODE_Q5_1, CODE_Q8_0)
-from pykv.kernels.blocks import IQ4NL_F, NL_BYTES, NL_SCALE, deq_rows, nl_e8, nl_level, nl_offset, nl_width, rd_f16
+                       CODE_INT4, CODE_IQ4_NL, CODE_Q4_0, CODE_Q4_1, CODE_Q5_0, CODE_Q5_1, CODE_Q8_0, KV_FORMATS)
+from pykv.kernels.blocks import (IQ4NL_F, NL_BYTES, NL_SCALE, TC_ROW, deq_rows, nl_e8, nl_level, nl_offset,
+                                 nl_width, rd_f16, tc_len)
 from pykv.kernels.ops import PAR_T
 from pykv.kernels.simd import bits_f32, f32_bits, floorf, fmul_rn, h2f
+from pykv.kernels.trellis import TC_PERM, tc_viterbi
 
 PAR_SEQ_VALUES = 1 << 15   # append_seqs: K values per step from which its rows run in parallel
 
@@ -451,6 +453,58 @@ def _qblk_nl(x, xo, dst, do, code):
 
 
 # ----------------------------------------------------------------------------------------------
+# trellis-coded blocks (tc3b / tc2b / tc1b): the search is kernels.trellis
+# ----------------------------------------------------------------------------------------------
+
+@njit(cache=True)
+def _qrow_tc(code, x, dst):
+    """Row x (f32[HD], HD a multiple of 64) in trellis-coded format `code` -> dst: per block of 64 the byte
+    scale nearest the block's RMS (tc codebooks are fitted to a unit Gaussian), then tc_viterbi's path."""
+    c = np.int64(code)
+    L = tc_len(c)
+    k = nl_width(c, np.int64(0))
+    G = np.int64(1) << (L - k)
+    nb = NL_BYTES[code]
+    cbp = TC_PERM[TC_ROW[code]]
+    y = np.empty(64, np.float32)
+    st = np.empty(64, np.int64)
+    C = np.empty(np.int64(1) << L, np.float32)
+    m = np.empty(G, np.float32)
+    mp = np.empty(G, np.float32)
+    bb = np.empty(G, np.uint8)
+    back = np.empty((64, G), np.uint8)
+    for b in range(x.shape[0] // 64):
+        xo = 64 * b
+        do = nb * b
+        ss = np.float32(0.0)
+        for j in range(64):
+            ss += fmul_rn(x[xo + j], x[xo + j])
+        d = np.float32(math.sqrt(ss / np.float32(64.0)))
+        e = 0
+        if d > np.float32(0.0):
+            lo = nl_e8_floor(d)
+            hi = min(lo + 1, np.int64(255))
+            e = lo if fmul_rn(d, d) < fmul_rn(nl_e8(lo), nl_e8(hi)) else hi
+        dst[do] = np.uint8(e)
+        for q in range(1, nb):
+            dst[do + q] = np.uint8(0)
+        if e == 0:
+            continue
+        idd = np.float32(1.0) / nl_e8(np.int64(e))
+        for j in range(64):
+            y[j] = fmul_rn(x[xo + j], idd)
+        tc_viterbi(y, cbp, L, k, st, C, m, mp, bb, back)
+        for j in range(64):
+            q = st[j] >> (L - k)
+            bit = k * j
+            p = do + 1 + (bit >> 3)
+            sh = bit & 7
+            dst[p] |= np.uint8((q << sh) & 0xFF)
+            if sh + k > 8:
+                dst[p + 1] |= np.uint8(q >> (8 - sh))
+
+
+# ----------------------------------------------------------------------------------------------
 # fp8 (OCP e4m3fn / e5m2), per-row f32 scale
 # ----------------------------------------------------------------------------------------------
 
@@ -633,6 +687,9 @@ def quantize_block(code, x, b, dst):
 
 @njit(cache=True)
 def quantize_row(code, x, dst):
+    if tc_len(np.int64(code)) > 0:     # trellis-coded: CPU only (its Viterbi scratch is allocated here)
+        _qrow_tc(code, x, dst)
+        return
     for b in range(row_units(code, x.shape[0])):
         quantize_block(code, x, b, dst)
 

@@ -144,7 +144,8 @@ class KVCache:
         k_fmts = _fmt_list(k_types, cfg.n_layers, "cache-type-k")
         v_fmts = _fmt_list(v_types, cfg.n_layers, "cache-type-v")
         for f in k_fmts + v_fmts:
-            if f.kind == "klt" and be.name != "cpu":       # its calibrated key transform is CPU code
+            if (f.kind == "klt" or f.tc_len) and be.name != "cpu":   # klt: its calibrated key transform is
+                # CPU code; tc: the Viterbi encoder needs scratch arrays a CUDA thread does not allocate
                 raise PykvError(f"KV type {f.name} runs on the CPU only for now (device {be.name})")
             if HD % f.block_size:
                 raise PykvError(f"KV type {f.name} needs head_dim divisible by {f.block_size} (head_dim {HD})")

@@ -24,7 +24,8 @@ from pykv.kernels.cuda.shared import SIM
 from pykv.kv.cache import KVCache
 
 FORMATS = [n for n, f in KV_FORMATS.items() if f.kind not in ("nl", "klt")]
-NL = [n for n, f in KV_FORMATS.items() if f.kind == "nl"]     # blocks of 64: head_dim 64 here; klt: CPU only
+NL = [n for n, f in KV_FORMATS.items() if f.kind == "nl" and not f.tc_len]   # blocks of 64: head_dim 64 here;
+# klt and the trellis-coded types: CPU only
 P = 4
 RTOL = 1e-4
 
@@ -222,14 +223,16 @@ def test_smooth_stats_on_device(be):
         assert np.array_equal(a, b), name
 
 
-def test_klt_types_refused_on_cuda():
-    """klt key types need their calibrated key transform, CPU code for now: a cuda cache of them is a
-    one-line error, not wrong numbers (the nl types run there: the tests above)."""
+@pytest.mark.parametrize("kt", ["klt2", "tc2b"])
+def test_cpu_only_types_refused_on_cuda(kt):
+    """klt key types need their calibrated key transform and the trellis-coded types a Viterbi search,
+    CPU code for now: a cuda cache of them is a one-line error, not wrong numbers (the other nl types
+    run there: the tests above)."""
     from pykv.files.config import PykvError
     cfg = make_cfg(1, 1, HD=64)
     assert KVCache(cfg, 64, "nl4", "nl3b", page_tokens=P, backend=get_backend("cuda")).layers[0].k_fmt.name == "nl4"
     with pytest.raises(PykvError, match="CPU only"):
-        KVCache(cfg, 64, "klt2", "f16", page_tokens=P, backend=get_backend("cuda"))
+        KVCache(cfg, 64, kt, "f16", page_tokens=P, backend=get_backend("cuda"))
 
 
 def test_page_table_follows_the_host_in_place(be):

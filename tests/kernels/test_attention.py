@@ -323,7 +323,8 @@ def _round_trip(x, wt):
                                                ("iq4_nl", "f16", 40, 8, "f16", False),
                                                ("nl2", "nl3", 20, 4, "q8_0", False),
                                                ("nl3", "q4_0", 16, 4, "f16", True), ("q4_0", "nl2", 5, 0, "q8_0", True),
-                                               ("nl2", "q4_0", 20, 4, "iq4_nl", False), ("nl2b", "nl2", 5, 0, "nl4", True)])
+                                               ("nl2", "q4_0", 20, 4, "iq4_nl", False), ("nl2b", "nl2", 5, 0, "nl4", True),
+                                               ("tc2b", "tc3b", 20, 4, "q8_0", False), ("tc1b", "nl2", 5, 0, "f16", True)])
 def test_window_matches_slow_reference(kt, vt, W, NS, wt, pre):
     """kv_window W: each query t reads the keys / values of its own newest W tokens (positions
     > n_past + t - W) as f16 copies and older ones as stored in the pool, in prefill (the per-row

@@ -12,6 +12,7 @@ from gguf import quants as gq
 
 from pykv.files import formats as F
 from pykv.kernels import kvquant as K
+from pykv.kernels import trellis as TR
 from pykv.kernels.blocks import deq_kivi_k_rows
 from pykv.kernels.simd import deq_q4_0, deq_q4_1, deq_q8_0
 
@@ -102,7 +103,7 @@ def gguf_dequant(fmt, raw, hd):
 def test_format_table():
     assert set(F.KV_FORMATS) == {"f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1",
                                  "iq4_nl", "fp8_e4m3", "fp8_e5m2", "int4", "int2", "nl4", "nl3", "nl2",
-                                 "klt3", "klt2", "nl3b", "nl2b"}
+                                 "klt3", "klt2", "nl3b", "nl2b", "tc3b", "tc2b", "tc1b"}
     codes = [f.code for f in F.KV_FORMATS.values()]
     assert len(set(codes)) == len(codes)
     from gguf.constants import GGML_QUANT_SIZES
@@ -116,7 +117,8 @@ def test_format_table():
 def test_row_bytes_hd64():
     want = {"f32": 256, "f16": 128, "bf16": 128, "q8_0": 68, "q4_0": 36, "q4_1": 40, "q5_0": 44,
             "q5_1": 48, "iq4_nl": 36, "fp8_e4m3": 68, "fp8_e5m2": 68, "int4": 40, "int2": 24,
-            "nl4": 34, "nl3": 26, "nl2": 18, "klt3": 26, "klt2": 18, "nl3b": 25, "nl2b": 17}
+            "nl4": 34, "nl3": 26, "nl2": 18, "klt3": 26, "klt2": 18, "nl3b": 25, "nl2b": 17,
+            "tc3b": 25, "tc2b": 17, "tc1b": 9}
     assert {n: F.row_bytes(n, 64) for n in ALL} == want
     with pytest.raises(ValueError):
         F.row_bytes("q8_0", 48)
@@ -445,6 +447,94 @@ def test_nl_rows(fmt):
     assert err < (1.01 if sb == 2 else 1.02) * np.mean([_LM_MSE[w] for w in widths])
 
 
+# ------------------------------------------------------------------------------------------------
+# tc3b / tc2b: trellis-coded blocks of 64
+# ------------------------------------------------------------------------------------------------
+
+def _tc_windows(blk, L, k):
+    """Every position's trellis window from a block's symbol bytes (numpy, bit by bit): the L stream bits
+    ending after symbol j, zero bits before the stream."""
+    stream = np.concatenate([np.zeros(L - k, np.int64), np.unpackbits(blk, bitorder="little").astype(np.int64)])
+    return np.array([(stream[k * j:k * j + L] * (1 << np.arange(L))).sum() for j in range(64)])
+
+
+def _tc_best_sse(y, cb, L, k):
+    """The least squared error over every symbol sequence (plain dynamic programming over the 2^L states,
+    float64): what the cache's Viterbi must find."""
+    S, K, G = 1 << L, 1 << k, 1 << (L - k)
+    s = np.arange(S)
+    cost = np.where(s % G == 0, (y[0] - cb) ** 2, np.inf)
+    for j in range(1, 64):
+        prev = (s % G)[:, None] * K + np.arange(K)[None, :]        # predecessors of each state
+        cost = cost[prev].min(axis=1) + (y[j] - cb) ** 2
+    return cost.min()
+
+
+@pytest.mark.parametrize("fmt,nl", [("tc2b", "nl2b"), ("tc3b", "nl3b")])
+def test_tc_rows(fmt, nl):
+    """tc blocks decode (numpy bit stream) to d * TC_TABLE[window], the byte scale is the step nearest the
+    block's RMS, the symbols are the least-squares path through the trellis (against plain dynamic
+    programming), and on Gaussian rows the error is at least 20 % below the nl format of the same bytes."""
+    from pykv.kernels.blocks import NL_E8, TC_ROW, TC_TABLE
+    f = F.KV_FORMATS[fmt]
+    L, k = f.tc_len, f.nl_runs[0][1]
+    assert f.block_bytes == F.KV_FORMATS[nl].block_bytes
+    cb = TC_TABLE[TC_ROW[f.code], :1 << L].astype(np.float64)
+    assert np.abs(cb).max() < 5 and 0.8 < np.sqrt(np.mean(cb ** 2)) < 1.2     # a unit Gaussian's codebook
+    checked = 0
+    for label, x in ROWS:
+        if label.startswith("huge"):
+            continue
+        got = qrow(fmt, x)
+        deq = dqrow(fmt, got, x.shape[0])
+        for b in range(x.shape[0] // 64):
+            blk = got[f.block_bytes * b:f.block_bytes * (b + 1)]
+            xb = x[64 * b:64 * (b + 1)].astype(np.float64)
+            d = 0.0 if blk[0] == 0 else float(NL_E8[blk[0]])
+            np.testing.assert_allclose(deq[64 * b:64 * (b + 1)], d * cb[_tc_windows(blk[1:], L, k)].astype(np.float32),
+                                       rtol=1e-6, atol=1e-30)
+            rms = np.sqrt(np.mean(xb ** 2))
+            if d == 0:
+                assert rms < NL_E8[1], label
+                continue
+            e = int(blk[0])
+            assert all(abs(np.log(rms / d)) <= abs(np.log(rms / NL_E8[o])) + 1e-6 for o in (e - 1, e + 1) if 1 <= o <= 255)
+            y = xb / d
+            got_sse = ((y - cb[_tc_windows(blk[1:], L, k)]) ** 2).sum()
+            assert got_sse <= _tc_best_sse(y, cb, L, k) * (1 + 1e-4) + 1e-9, (label, b)
+            checked += 1
+    assert checked >= 10
+    X = np.random.default_rng(3).standard_normal((64, 128)).astype(np.float32)
+    err = {t: sum(((dqrow(t, qrow(t, x), 128) - x) ** 2).sum() for x in X) / (X ** 2).sum() for t in (fmt, nl)}
+    assert err[fmt] < 0.8 * err[nl], err
+
+
+def test_tc_codebooks_are_the_trained_ones(monkeypatch):
+    """pykv/data/trellis.npz holds a codebook of 2^L levels for every tc format (tools/train_trellis.py),
+    and a Lloyd iteration of the tool from that codebook barely moves it: it is a fixed point of the
+    training, not a placeholder."""
+    import importlib
+    import pathlib
+    from pykv.kernels.blocks import TC_FILE, TC_ROW, TC_TABLE
+    monkeypatch.syspath_prepend(str(pathlib.Path(__file__).parents[2] / "tools"))
+    tool = importlib.import_module("train_trellis")
+    books = np.load(TC_FILE)
+    for f in F.KV_FORMATS.values():
+        if not f.tc_len:
+            continue
+        L, k = f.tc_len, f.nl_runs[0][1]
+        cb = books[f.name]
+        assert cb.shape == (1 << L,) and np.array_equal(TC_TABLE[TC_ROW[f.code], :1 << L], cb)
+        X = np.random.default_rng(8).standard_normal((3000, 64)).astype(np.float32)
+        states = np.empty(X.shape, np.int64)
+        err = tool._encode_all(X, TR.tc_perm(cb, L, k), L, k, states) / X.size
+        sums = np.bincount(states.ravel(), X.ravel().astype(np.float64), 1 << L)
+        cnt = np.bincount(states.ravel(), None, 1 << L)
+        moved = np.where(cnt > 0, sums / np.maximum(cnt, 1), cb)
+        assert err < {1: 0.30, 2: 0.085, 3: 0.0225}[k], (f.name, err)
+        assert np.median(np.abs(moved - cb)) < 0.05, f.name
+
+
 def test_nl_byte_scale_brackets_the_fitted_scale():
     """nl3b / nl2b's byte scale starts from the table step at or below the fitted d, found by compares
     against NL_E8 (the same e on CPU and GPU; floor(8 log2 d) used the devices' differing log2)."""
@@ -474,7 +564,8 @@ def test_nl_tables_are_read_through_one_function_each():
                 for node in ast.walk(fn):
                     if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name):
                         reads.setdefault(node.value.id, []).append(f"{path.name}:{fn.name}:{node.lineno}")
-    want = {"NL_TABLE": "nl_level", "NL_BITS": "nl_width", "NL_OFF": "nl_offset", "NL_E8": "nl_e8"}
+    want = {"NL_TABLE": "nl_level", "NL_BITS": "nl_width", "NL_OFF": "nl_offset", "NL_E8": "nl_e8",
+            "TC_TABLE": "tc_level", "TC_LEN": "tc_len"}
     for name, fn in want.items():
         assert [r.rsplit(":", 1)[0] for r in reads.get(name, [])] == [f"blocks.py:{fn}"], (name, reads.get(name))
 
