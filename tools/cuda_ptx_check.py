@@ -1,4 +1,4 @@
-"""Compile the cuda KV kernels (pykv.kernels.cuda.kvquant / attention) to PTX without a GPU.
+"""Compile the cuda KV and decode-chain kernels (pykv.kernels.cuda.kvquant / attention / chain) to PTX without a GPU.
 
 The simulator runs kernels as Python, so it cannot tell whether a GPU can compile them (numpy calls,
 allocation, exceptions in the shared @njit code).  This script can: numba-cuda plus NVIDIA's NVVM are
@@ -9,7 +9,7 @@ bytes equal the CPU's).
     pip install --target DIR numba-cuda cuda-bindings cuda-core cuda-pathfinder \
         nvidia-cuda-nvcc-cu12 nvidia-cuda-nvrtc-cu12 --no-deps
     LD_LIBRARY_PATH=DIR/nvidia/cuda_nvrtc/lib:DIR/nvidia/cuda_nvcc/nvvm/lib64 \
-    CUDA_HOME=DIR/nvidia/cuda_nvcc python tools/cuda_ptx_check.py --site DIR [kvquant] [attention]
+    CUDA_HOME=DIR/nvidia/cuda_nvcc python tools/cuda_ptx_check.py --site DIR [kvquant] [attention] [chain]
 
 Prints one line per kernel (PTX size, fma count, compile seconds); exit status 1 on a failure.  Where
 ptxas is at hand (the nvidia-cuda-nvcc wheel's, in --site, or --ptxas PATH) each kernel's PTX is also
@@ -71,10 +71,19 @@ def main() -> int:
                  (CK._kpage_kernel, (f32_3, u8_3, I, I))]
     if "attention" in a.modules:
         from pykv.kernels.cuda import attention as CA
-        jobs += [(CA._attend_kernel, (f32_3, u8_3, u8_3, u8_3, u8_3, u8_3, u8_3, i32_1) + (I,) * 12 + (f32_5,)),
+        jobs += [(CA._attend_kernel, (f32_3, u8_3, u8_3, u8_3, u8_3, u8_3, u8_3, i32_1) + (I,) * 12 + (f32_5, i32_1, f32_3)),
                  (CA._batch_kernel, (f32_3, u8_3, u8_3, u8_4, u8_4, u8_4, u8_4, nt.int32[:, ::1],
-                                     nt.int32[:, ::1]) + (I,) * 6 + (f32_5,)),
-                 (CA._merge_kernel, (f32_5, I, I, f32_3))]
+                                     nt.int32[:, ::1]) + (I,) * 6 + (f32_5, i32_1, f32_3))]
+    if "chain" in a.modules:        # the fused decode kernels, specialised for SmolLM2's shapes and types
+        from pykv.kernels.cuda import chain as CC
+        from pykv.kernels.mm_raw import F16, Q4_1, Q8_0
+        u8_2, f32_2, f32_1 = nt.uint8[:, ::1], nt.float32[:, ::1], nt.float32[::1]
+        W = (u8_2, f32_2)
+        jobs += [(CC._special(CC._out_kernel, KA=Q4_1, ROT=True, D=576, HD=64), W + (f32_3, f32_1, f32_2)),
+                 (CC._special(CC._gate_up_kernel, KA=Q4_1, KB=Q4_1, D=576), W * 2 + (f32_2, f32_1, nt.float32, f32_2)),
+                 (CC._special(CC._down_kernel, KA=F16, FF=1536, FS=1536), W + (f32_2, f32_2)),
+                 (CC._special(CC._qkv_kernel, KA=Q4_1, KB=Q4_1, KC=Q8_0, D=576), W * 3 + (f32_2, f32_1, nt.float32)
+                  + (f32_2,) * 3)]
     ptxas = find_ptxas(a.ptxas, a.site)
     print(f"ptxas: {ptxas or 'none found (PTX only)'}")
     bad = 0

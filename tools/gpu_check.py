@@ -11,7 +11,7 @@ written with gguf's writer (tests/reference.write_tiny_gguf).
     1. the CUDA tests (tests/test_cuda_*.py) on the device (PYKV_REAL_GPU=1), in a subprocess that runs
        beside step 2 and ends before step 3;
     2. greedy generation, CUDA vs CPU (exact float activations) on the synthetic model;
-    3. attention bandwidth: bytes of K/V read / time of one attend_batch launch (+ merge) for f16,
+    3. attention bandwidth: bytes of K/V read / time of one attend_batch launch (merge included) for f16,
        q8_0, q4_0, int4 caches at 4K and 32K tokens x 1, 8, 32 sequences, beside a device-to-device
        copy's bandwidth (read + write bytes / time);
     4. end-to-end decode tokens/s at depth 16 and 4096 (device sampling), and kernel launches per token.
@@ -305,7 +305,7 @@ def main(argv=None) -> int:
             log("\n== 1. CUDA tests on the device (the results)")
             ok &= finish_tests(tests)
 
-    log("\n== 3. attention bandwidth (attend_batch: one launch + the merge for all sequences)")
+    log("\n== 3. attention bandwidth (attend_batch: one launch, merge included, for all sequences)")
     be = get_backend("cuda")
     bw, t = copy_bandwidth(be, (1 << 16) if args.tiny else (1 << 30), 2 if args.tiny else 10)
     log(f"  device-to-device copy: {bw / 1e9:.3g} GB/s (read + write bytes / time)")

@@ -326,9 +326,8 @@ class Decoder:
         if grp is not None:
             S = len(grp.pos)
             q3, k3, v3 = vw.q3[:S], vw.k3[:S], vw.v3[:S]
-            ops.qkv_prep_seqs(q3, k3, v3, grp.pos_k, self.cos, self.sin, cfg.rope_dims, grp.shift, grp.scale, li,
-                              cache.k_smooth[li], self.rot_sign, self.rotate, self.q_mul)
-            cache.append_seqs(li, grp, k3, v3)
+            cache.append_seqs(li, grp, k3, v3, (q3, self.cos, self.sin, cfg.rope_dims, self.rot_sign, self.rotate,
+                                                self.q_mul))    # RoPE, smoothing, rotation first
             cache.attend_seqs(li, grp, q3, vw.att3[:S])
         for seq, r0, t, chunk in segs[S:]:
             self._attention(li, seq, vw, r0, t, chunk)
@@ -429,7 +428,9 @@ class Decoder:
         order = None
         grp = None
         n1 = sum(1 for _, i in work if len(i) == 1)
-        if n1 > 1:      # the one-token sequences first, batched (KVCache.decode_group) where they can be
+        if n1 > 1 or (n1 and self.be.name != "cpu"):
+            # the one-token sequences first, batched (KVCache.decode_group) where they can be; on a GPU
+            # also one alone: its RoPE, K / V appends and attention are then three launches a layer
             order = sorted(range(len(work)), key=lambda j: len(work[j][1]) != 1)
             work = [work[j] for j in order]
             grp = self.cache.decode_group([seq for seq, _ in work[:n1]], self.be.workers())

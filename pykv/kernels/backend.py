@@ -26,10 +26,11 @@ KERNEL_MODULES = ("matmul", "ops", "kvquant", "attention", "sampler", "chain")
 # The twins' public functions (pykv.kernels.X and pykv.kernels.cuda.X, X in KERNEL_MODULES) are the same
 # names but for these, each with the reason it has no twin (tests/kernels/test_twins.py checks it):
 CPU_ONLY = {
-    "attention": {"item_cres": "the decode chain's attention stage (kernels.chain) calls it; no GPU chain",
+    "attention": {"item_cres": "the CPU decode chain's attention stage calls it; the GPU chain leaves attention to the cache",
                   "merge_row": "a row helper the CPU chain inlines"},
-    "chain": {name: "the fused decode step is CPU-only: the GPU's chain.bind returns None" for name in
-              ("AttnFn", "AttnFnType", "Chain", "ChainArgs", "ChainArgsType", "attention_stand_in", "attn_fn",
+    "chain": {name: "the CPU chain's one parallel region and its attention stages: the GPU's Chain is four "
+                    "fused launches, the attention stays with the cache" for name in
+              ("AttnFn", "AttnFnType", "ChainArgs", "ChainArgsType", "attention_stand_in", "attn_fn",
                "chain", "code")},
     "kvquant": {name: "host-side quantizers and scalar helpers (convert, tests, CPU kernels inline them)" for name in
                 ("bf16_bits", "dequantize_row", "f16_next_down", "f16_next_up", "f32_to_f16_bits", "fp8_encode",

@@ -67,7 +67,7 @@ from pykv.files.formats import (CODE_BF16, CODE_F16, CODE_F32, CODE_FP8_E4M3, CO
                        CODE_INT4, CODE_IQ4_NL, CODE_Q4_0, CODE_Q4_1, CODE_Q5_0, CODE_Q5_1, CODE_Q8_0, KV_FORMATS)
 from pykv.kernels.blocks import (IQ4NL_F, NL_BYTES, NL_SCALE, TC_ROW, deq_rows, nl_e8, nl_level, nl_offset,
                                  nl_width, rd_f16, tc_len)
-from pykv.kernels.ops import PAR_T
+from pykv.kernels.ops import PAR_T, qkv_prep_seqs
 from pykv.kernels.simd import bits_f32, f32_bits, floorf, fmul_rn, h2f
 from pykv.kernels.trellis import TC_PERM, tc_viterbi
 
@@ -817,6 +817,14 @@ def append_seqs(k, v, kpool, vpool, page_tables, pos, P, kcode, vcode):
             s, g = i // KVH, i % KVH
             _append_seq_row(k, kpool, page_tables, pos, P, kcode, s, g)
             _append_seq_row(v, vpool, page_tables, pos, P, vcode, s, g)
+
+
+def prep_append_seqs(q, k, v, pos, cos, sin, n_rot, shift, scale, li, smooth, sign, rotate, qmul, kpool, vpool,
+                     page_tables, P, kcode, vcode):
+    """ops.qkv_prep_seqs(q, k, v, pos, ... qmul), then append_seqs(k, v, kpool, ... vcode): a decode
+    group's RoPE, smoothing, rotation and K / V appends (the GPU twin runs them as one launch)."""
+    qkv_prep_seqs(q, k, v, pos, cos, sin, n_rot, shift, scale, li, smooth, sign, rotate, qmul)
+    append_seqs(k, v, kpool, vpool, page_tables, pos, P, kcode, vcode)
 
 
 @njit(cache=True, nogil=True)

@@ -642,6 +642,8 @@ class KVCache:
         def stack(arrays):      # one (S, ...) array where the kernels run
             if be.name == "cpu":
                 return np.stack(arrays)
+            if len(arrays) == 1:    # the device array itself, as (1, ...): no copies
+                return arrays[0].reshape((1,) + tuple(arrays[0].shape))
             return be.to_device(np.stack([be.to_host(a) for a in arrays]))
 
         if quant:
@@ -652,7 +654,7 @@ class KVCache:
                 sinks = self._no_sinks[S] = be.zeros((S,) + tuple(seqs[0].sink_rows.shape), np.uint8)
         smooth = any(self.k_smooth)
         pos, items = np.array([s.n_tokens for s in seqs], np.int64), np.concatenate(items).astype(np.int32)
-        return DecodeGroup(pos, stack([s.page_table for s in seqs]), meta, items, part,
+        return DecodeGroup(pos, stack([s.page_table if be.name == "cpu" else s.pt_dev for s in seqs]), meta, items, part,
                            stack([s.k_shift for s in seqs]) if smooth else self._no_smooth(S, 0.0),
                            stack([s.k_scale for s in seqs]) if smooth else self._no_smooth(S, 1.0), sinks,
                            *(be.to_device(a) for a in (pos, meta, items)))
@@ -666,11 +668,15 @@ class KVCache:
                 np.full((S, self.cfg.n_layers, self.cfg.n_kv_heads, self.cfg.head_dim), value, np.float32))
         return a
 
-    def append_seqs(self, li: int, grp: "DecodeGroup", k, v) -> None:
-        """append for a decode group: k, v (S, KVH, HD), row s at its sequence's next position."""
+    def append_seqs(self, li: int, grp: "DecodeGroup", k, v, prep) -> None:
+        """append for a decode group: k, v (S, KVH, HD), row s at its sequence's next position, after
+        qkv_prep_seqs with prep = (q, cos, sin, n_rot, sign, rotate, qmul) and the group's smoothing (one
+        call: a GPU runs both in one launch)."""
         l = self.layers[li]
-        self.be.kvquant.append_seqs(k, v, l.k_pool, l.v_pool, grp.page_tables, grp.pos_k, self.P, l.k_fmt.code,
-                                    l.v_fmt.code)
+        q, cos, sin, n_rot, sign, rotate, qmul = prep
+        self.be.kvquant.prep_append_seqs(q, k, v, grp.pos_k, cos, sin, n_rot, grp.shift, grp.scale, li,
+                                         self.k_smooth[li], sign, rotate, qmul, l.k_pool, l.v_pool,
+                                         grp.page_tables, self.P, l.k_fmt.code, l.v_fmt.code)
 
     def attend_seqs(self, li: int, grp: "DecodeGroup", q, out) -> None:
         """attend for a decode group, one call: q (S, H, HD) -> out (S, H, HD)."""

@@ -52,6 +52,41 @@ def _sim_shared_lock():
     cls._pykv_locked = True
 
 
+def _sim_counted_swap():
+    """The simulator points a function's module global `cuda` at the launch's fake module for each call
+    and back after it.  Two threads inside a device function of another module race: the first to
+    return restores the real module while the other still reads cuda.threadIdx.  Count the entries per
+    module instead: the first swaps, the last restores."""
+    import threading
+    from contextlib import contextmanager
+    from numba.cuda.simulator import kernel as simk
+    if getattr(simk, "_pykv_counted", False):
+        return
+    lock = threading.Lock()
+    held = {}       # id(globals) -> [entries, original bindings]
+
+    @contextmanager
+    def swapped(fn, fake):
+        g = fn.__globals__
+        with lock:
+            h = held.get(id(g))
+            if h is None:
+                orig = {k: v for k, v in g.items() if v is cuda}
+                g.update({k: fake for k in orig})
+                h = held[id(g)] = [0, orig]
+            h[0] += 1
+        try:
+            yield
+        finally:
+            with lock:
+                h[0] -= 1
+                if h[0] == 0:
+                    g.update(h[1])
+                    del held[id(g)]
+    simk.swapped_cuda_module = swapped
+    simk._pykv_counted = True
+
+
 def _sim_record_signatures(path):
     """Under the simulator, record (module, kernel, argument types) of every kernel launch and append the
     set to `path` (a pickle stream) at exit: tools/cuda_ptx_check.py --sigs compiles exactly those for a real GPU (the
@@ -84,6 +119,7 @@ def _sim_record_signatures(path):
 
 if SIM:
     _sim_shared_lock()
+    _sim_counted_swap()
     if os.environ.get("PYKV_CUDA_SIGS"):
         _sim_record_signatures(os.environ["PYKV_CUDA_SIGS"])
 

@@ -6,8 +6,8 @@ the flash-decoding shape.
     attend_batch(q (S, H, HD), kpool, vpool, kres (S, KVH, RING, 2*HD), vres, ksink (S, KVH, NS, 2*HD),
                  vsink, page_tables (S, max_pages) int32, meta (S, 5) int32, P, kcode, kbits, vcode,
                  rcode, chunk, part (S, KVH, C, G, HD + 2), out (S, H, HD))
-        one decode query (T = 1) for each of S sequences of one layer's pools, in ONE launch (plus the
-        merge): sequence s holds meta[s] = (n_tokens incl. the query's, ns_k, ns_v, nq_k, nq_v), the
+        one decode query (T = 1) for each of S sequences of one layer's pools, in ONE launch (the merge
+        included): sequence s holds meta[s] = (n_tokens incl. the query's, ns_k, ns_v, nq_k, nq_v), the
         KVCache.attend quantities; C >= ceil(max n_tokens / chunk); chunks past a shorter sequence's
         end write empty partials (l = 0) that the merge skips.
 
@@ -25,9 +25,11 @@ f16-residual boundaries (the CPU's segments); per tile:
      weights, the rescale factor kept;
   4. acc, one thread per (query row, channel): acc = acc * rescale + sum_r p[r] * V[r].
 The block writes (max, sum, acc) per query row to part (T, KVH, C, G, HD + 2), the CPU's layout.
-Kernel 2 (the merge) runs one block per (query token, head) and combines the C chunks' partials
-with log-sum-exp weights into out.  There is no warp shuffle anywhere (every reduction is a loop of
-one thread over shared memory), so the simulator and a GPU run the same code.
+The merge is in the same launch: a block that has written its partials takes a ticket (an integer
+atomic per query block and KV head, after a fence), and the last of the C chunk blocks combines the C
+partials of its rows with log-sum-exp weights into out (one launch per attention; the merge's order is
+fixed, no float atomics).  There is no warp shuffle anywhere (every reduction is a loop of one thread over
+shared memory), so the simulator and a GPU run the same code.
 
 Rotation, key smoothing and sinks need nothing here: queries and keys arrive rotated / smoothed
 (ops.qkv_prep), the sink and residual rows and the boundaries ns_* / nq_* come from the cache, as on
@@ -203,33 +205,6 @@ def _chunk(q, t0, t1, n_past, g, c, j0, j1, kpool, vpool, kres, vres, ksink, vsi
     cuda.syncthreads()
 
 
-@cuda.jit
-def _attend_kernel(q, kpool, vpool, kres, vres, ksink, vsink, page_table, n_past, ns_k, ns_v, nq_k, nq_v,
-                   P, kcode, kbits, vcode, rcode, chunk, QB, part):
-    c = cuda.blockIdx.x
-    g = cuda.blockIdx.y
-    t0 = cuda.blockIdx.z * QB
-    t1 = min(t0 + QB, q.shape[0])
-    j0 = c * chunk
-    j1 = min(j0 + chunk, n_past + t1)
-    _chunk(q, t0, t1, n_past, g, c, j0, j1, kpool, vpool, kres, vres, ksink, vsink, page_table,
-           ns_k, ns_v, nq_k, nq_v, P, kcode, kbits, vcode, rcode, part)
-
-
-@cuda.jit
-def _batch_kernel(q, kpool, vpool, kres, vres, ksink, vsink, page_tables, meta, P, kcode, kbits, vcode,
-                  rcode, chunk, part):
-    c = cuda.blockIdx.x
-    g = cuda.blockIdx.y
-    sq = cuda.blockIdx.z
-    n = meta[sq, 0]
-    j0 = c * chunk
-    j1 = min(j0 + chunk, n)
-    _chunk(q[sq:sq + 1], 0, 1, n - 1, g, c, j0, j1, kpool, vpool, kres[sq], vres[sq], ksink[sq], vsink[sq],
-           page_tables[sq], meta[sq, 1], meta[sq, 2], meta[sq, 3], meta[sq, 4], P, kcode, kbits, vcode,
-           rcode, part[sq:sq + 1])
-
-
 @cuda.jit(device=True, inline=True)
 def _merge_th(part, C, G, t, h, out):
     """out[t, h] = the C chunks' partials of part merged with log-sum-exp weights (chunks with sum 0
@@ -252,19 +227,71 @@ def _merge_th(part, C, G, t, h, out):
         out[t, h, i] = a / lsum
 
 
+@cuda.jit(device=True, inline=True)
+def _last(tickets, i, n):
+    """True in every thread of the block that is the last of n blocks to reach ticket i (it sets the
+    ticket back to 0 for the next launch): that block merges the partials the n wrote.  Integer atomics
+    and fences only (no float atomics: the merge's order is fixed)."""
+    flag = cuda.shared.array(1, np.int32)
+    cuda.threadfence()          # this block's partials are visible to the whole device ...
+    cuda.syncthreads()          # ... for every thread, before the block takes its ticket
+    if cuda.threadIdx.x == 0:
+        flag[0] = 1 if cuda.atomic.add(tickets, i, 1) == n - 1 else 0
+        if flag[0]:
+            tickets[i] = 0
+    cuda.syncthreads()
+    if flag[0]:
+        cuda.threadfence()
+    return flag[0] != 0
+
+
+@cuda.jit(device=True, inline=True)
+def _merge_group(part, C, G, t0, t1, g, out):
+    # out[t, g * G + gi] for the query tokens [t0, t1) and the G heads of KV head g
+    for t in range(t0, t1):
+        for gi in range(G):
+            _merge_th(part, C, G, t, g * G + gi, out)
+
+
 @cuda.jit
-def _merge_kernel(part, C, G, out):
-    """One block per (query token t, head h): out[t, h] (_merge_th)."""
-    th = cuda.blockIdx.x
-    H = out.shape[1]
-    _merge_th(part, C, G, th // H, th % H, out)
+def _attend_kernel(q, kpool, vpool, kres, vres, ksink, vsink, page_table, n_past, ns_k, ns_v, nq_k, nq_v,
+                   P, kcode, kbits, vcode, rcode, chunk, QB, part, tickets, out):
+    c = cuda.blockIdx.x
+    g = cuda.blockIdx.y
+    t0 = cuda.blockIdx.z * QB
+    t1 = min(t0 + QB, q.shape[0])
+    j0 = c * chunk
+    j1 = min(j0 + chunk, n_past + t1)
+    _chunk(q, t0, t1, n_past, g, c, j0, j1, kpool, vpool, kres, vres, ksink, vsink, page_table,
+           ns_k, ns_v, nq_k, nq_v, P, kcode, kbits, vcode, rcode, part)
+    C = cuda.gridDim.x
+    if _last(tickets, cuda.blockIdx.z * cuda.gridDim.y + g, C):
+        _merge_group(part, C, q.shape[1] // kpool.shape[0], t0, t1, g, out)
+
+
+@cuda.jit
+def _batch_kernel(q, kpool, vpool, kres, vres, ksink, vsink, page_tables, meta, P, kcode, kbits, vcode,
+                  rcode, chunk, part, tickets, out):
+    c = cuda.blockIdx.x
+    g = cuda.blockIdx.y
+    sq = cuda.blockIdx.z
+    n = meta[sq, 0]
+    j0 = c * chunk
+    j1 = min(j0 + chunk, n)
+    _chunk(q[sq:sq + 1], 0, 1, n - 1, g, c, j0, j1, kpool, vpool, kres[sq], vres[sq], ksink[sq], vsink[sq],
+           page_tables[sq], meta[sq, 1], meta[sq, 2], meta[sq, 3], meta[sq, 4], P, kcode, kbits, vcode,
+           rcode, part[sq:sq + 1])
+    C = cuda.gridDim.x
+    if _last(tickets, sq * cuda.gridDim.y + g, C):
+        _merge_group(part[sq:sq + 1], C, q.shape[1] // kpool.shape[0], 0, 1, g, out[sq:sq + 1])
 
 
 @cuda.jit
 def _seqs_kernel(q, kpool, vpool, kres, vres, sinks, li, ns_k, ns_v, page_tables, meta, items, P, kcode, kbits,
-                 vcode, rcode, part):
+                 vcode, rcode, part, tickets, out):
     """One block per work item items[i] = (sequence s, item of its attend: KV head x chunk), each with
-    its sequence's own chunk (meta[s]): the CPU's attend_seqs items; s's partials in part[s]."""
+    its sequence's own chunk (meta[s]): the CPU's attend_seqs items; s's partials in part[s]; the last
+    of s's C items of KV head g merges them into out[s]."""
     i = cuda.blockIdx.x
     s = items[i, 0]
     it = items[i, 1]
@@ -277,16 +304,19 @@ def _seqs_kernel(q, kpool, vpool, kres, vres, sinks, li, ns_k, ns_v, page_tables
     j1 = min(j0 + chunk, n_past + 1)
     _chunk(q[s], 0, 1, n_past, g, c, j0, j1, kpool, vpool, kres, vres, sinks[s, li, 0], sinks[s, li, 1],
            page_tables[s], ns_k, ns_v, n_past + 1, n_past + 1, P, kcode, kbits, vcode, rcode, part[s:s + 1])
+    if _last(tickets, s * kpool.shape[0] + g, C):
+        _merge_group(part[s:s + 1], C, q.shape[2] // kpool.shape[0], 0, 1, g, out[s])
 
 
-@cuda.jit
-def _merge_seqs_kernel(part, meta, out):
-    """One block per (sequence s, head h): out[s, 0, h] from s's partials part[s] (_merge_th)."""
-    sh = cuda.blockIdx.x
-    H = out.shape[2]
-    s = sh // H
-    C = (meta[s, 0] + meta[s, 1]) // meta[s, 1]
-    _merge_th(part[s:s + 1], C, H // part.shape[1], 0, sh % H, out[s])
+_TICKETS = {}
+
+
+def _tickets(n: int):
+    """Zeroed int32 device counters, at least n (each kernel leaves its tickets at 0 again)."""
+    t = _TICKETS.get("t")
+    if t is None or t.shape[0] < n:
+        t = _TICKETS["t"] = cuda.to_device(np.zeros(max(int(n), 1024), np.int32))
+    return t
 
 
 def _check(HD, G):
@@ -297,8 +327,8 @@ def _check(HD, G):
 
 def attend_seqs(q, kpool, vpool, kres, vres, sinks, li, ns_k, ns_v, page_tables, meta, items, P, kcode, kbits,
                 vcode, rcode, part, out, kx=None, cos=None, sin=None) -> None:
-    """attention.attend_seqs on the device: q (S, 1, H, HD) -> out (S, 1, H, HD) in two launches for
-    all S sequences (the items, then the merge), each sequence with its own chunk; meta (S, 3) and items
+    """attention.attend_seqs on the device: q (S, 1, H, HD) -> out (S, 1, H, HD) in one launch for
+    all S sequences (the items, the last of each sequence's items merging), each sequence with its own chunk; meta (S, 3) and items
     (N, 2) as the CPU's, device arrays (KVCache.decode_group puts them there); part (S, KVH, C, G, HD + 2)
     with C the most chunks of a sequence (meta's offsets unused)."""
     if kx is not None:
@@ -307,8 +337,7 @@ def attend_seqs(q, kpool, vpool, kres, vres, sinks, li, ns_k, ns_v, page_tables,
     KVH = kpool.shape[0]
     _check(HD, H // KVH)
     _seqs_kernel[items.shape[0], NT](q, kpool, vpool, kres, vres, sinks, li, ns_k, ns_v, page_tables, meta, items, P,
-                                     kcode, kbits, vcode, rcode, part)
-    _merge_seqs_kernel[S * H, NT](part, meta, out)
+                                     kcode, kbits, vcode, rcode, part, _tickets(S * KVH), out)
 
 
 def attend(q, kpool, vpool, kres, vres, ksink, vsink, page_table, n_past, ns_k, ns_v, nq_k, nq_v, wk, wv, P,
@@ -329,8 +358,8 @@ def attend(q, kpool, vpool, kres, vres, ksink, vsink, page_table, n_past, ns_k, 
     QB = min(T, RMAX // G)
     NB = (T + QB - 1) // QB
     _attend_kernel[(C, KVH, NB), NT](q, kpool, vpool, kres, vres, ksink, vsink, page_table, n_past,
-                                     ns_k, ns_v, nq_k, nq_v, P, kcode, kbits, vcode, rcode, chunk, QB, part)
-    _merge_kernel[T * H, NT](part, C, G, out)
+                                     ns_k, ns_v, nq_k, nq_v, P, kcode, kbits, vcode, rcode, chunk, QB, part,
+                                     _tickets(NB * KVH), out)
 
 
 def attend_batch(q, kpool, vpool, kres, vres, ksink, vsink, page_tables, meta, P, kcode, kbits, vcode,
@@ -344,5 +373,4 @@ def attend_batch(q, kpool, vpool, kres, vres, ksink, vsink, page_tables, meta, P
     _check(HD, G)
     C = part.shape[2]
     _batch_kernel[(C, KVH, S), NT](q, kpool, vpool, kres, vres, ksink, vsink, page_tables, meta, P,
-                                   kcode, kbits, vcode, rcode, chunk, part)
-    _merge_kernel[S * H, NT](part, C, G, out)
+                                   kcode, kbits, vcode, rcode, chunk, part, _tickets(S * KVH), out)

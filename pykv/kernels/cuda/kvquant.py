@@ -10,10 +10,12 @@ of 32 channels) (kvquant.kivi_kpage_group).  The threads call the CPU's own @nji
 shared.py), so the bytes are the CPU's: one source, and byte-identical pools on both devices (the
 quantizers keep products that feed an add unfused with simd.fmul_rn, since NVVM fuses into fma).
 """
+import numpy as np
 from numba import cuda
 
 from pykv.kernels.blocks import deq_unit
 from pykv.kernels.kvquant import kivi_kpage_group, quantize_block, row_units
+from pykv.kernels.cuda.ops import HDMAX, _qkv_prep_tg, qkv_prep_seqs
 from pykv.kernels.cuda.shared import SIM, blocks_for, dev
 
 TPB = 32 if SIM else 128      # threads per block (the simulator runs each thread as a Python thread)
@@ -71,6 +73,37 @@ def append_seqs(k, v, kpool, vpool, page_tables, pos, P, kcode, vcode) -> None:
     NUK, NUV = row_units(kcode, HD), row_units(vcode, HD)
     _append_seqs_kernel[blocks_for(S * KVH * (NUK + NUV), TPB), TPB](k, v, kpool, vpool, page_tables, pos, P,
                                                                      kcode, vcode, NUK, NUV)
+
+
+@cuda.jit
+def _prep_append_kernel(q, k, v, pos, cos, sin, n_rot, shift, scale, li, smooth, sign, rotate, qmul, kpool, vpool,
+                        page_tables, P, kcode, vcode, NUK, NUV):
+    # one block of HD threads per (sequence s, KV group g): qkv_prep_seqs's rows, then thread u appends
+    # piece u of the K row (u < NUK) or piece u - NUK of the V row
+    s = cuda.blockIdx.x
+    g = cuda.blockIdx.y
+    _qkv_prep_tg(q, k, v, s, g, pos[s], cos, sin, n_rot, True, shift[s, li], scale[s, li], smooth, sign, rotate,
+                 qmul)      # ends with a block barrier after the K / V rows are written
+    u = cuda.threadIdx.x
+    if u < NUK:
+        _append_unit(kcode, k[s, g], u, kpool, g, page_tables[s], pos[s], P)
+    elif u < NUK + NUV:
+        _append_unit(vcode, v[s, g], u - NUK, vpool, g, page_tables[s], pos[s], P)
+
+
+def prep_append_seqs(q, k, v, pos, cos, sin, n_rot, shift, scale, li, smooth, sign, rotate, qmul, kpool, vpool,
+                     page_tables, P, kcode, vcode) -> None:
+    """ops.qkv_prep_seqs then append_seqs (the CPU twin's two calls) in one launch: a block per
+    (sequence, KV group) ropes, smooths and rotates its rows, then quantizes the K / V pieces."""
+    S, KVH, HD = k.shape
+    NUK, NUV = row_units(kcode, HD), row_units(vcode, HD)
+    if NUK + NUV > HD or HD > HDMAX:
+        qkv_prep_seqs(q, k, v, pos, cos, sin, n_rot, shift, scale, li, smooth, sign, rotate, qmul)
+        append_seqs(k, v, kpool, vpool, page_tables, pos, P, kcode, vcode)
+        return
+    _prep_append_kernel[(S, KVH), HD](q, k, v, pos, cos, sin, int(n_rot), shift, scale, int(li), bool(smooth), sign,
+                                      bool(rotate), np.float32(qmul), kpool, vpool, page_tables, P, kcode, vcode,
+                                      NUK, NUV)
 
 
 @cuda.jit
