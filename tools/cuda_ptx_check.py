@@ -76,14 +76,17 @@ def main() -> int:
                                      nt.int32[:, ::1]) + (I,) * 6 + (f32_5, i32_1, f32_3))]
     if "chain" in a.modules:        # the fused decode kernels, specialised for SmolLM2's shapes and types
         from pykv.kernels.cuda import chain as CC
+        from pykv.kernels.cuda import matmul as CM
+        from pykv.kernels.cuda import specialise
         from pykv.kernels.mm_raw import F16, Q4_1, Q8_0
         u8_2, f32_2, f32_1 = nt.uint8[:, ::1], nt.float32[:, ::1], nt.float32[::1]
         W = (u8_2, f32_2)
-        jobs += [(CC._special(CC._out_kernel, KA=Q4_1, ROT=True, D=576, HD=64), W + (f32_3, f32_1, f32_2)),
-                 (CC._special(CC._gate_up_kernel, KA=Q4_1, KB=Q4_1, D=576), W * 2 + (f32_2, f32_1, nt.float32, f32_2)),
-                 (CC._special(CC._down_kernel, KA=F16, FF=1536, FS=1536), W + (f32_2, f32_2)),
-                 (CC._special(CC._qkv_kernel, KA=Q4_1, KB=Q4_1, KC=Q8_0, D=576), W * 3 + (f32_2, f32_1, nt.float32)
-                  + (f32_2,) * 3)]
+        jobs += [(specialise(CC._out_kernel, KA=Q4_1, ROT=True, D=576, HD=64), W + (f32_3, f32_1, f32_2)),
+                 (specialise(CC._gate_up_kernel, KA=Q4_1, KB=Q4_1, D=576), W * 2 + (f32_2, f32_1, nt.float32, f32_2)),
+                 (specialise(CC._down_kernel, KA=F16, FF=1536, FS=1536), W + (f32_2, f32_2)),
+                 (specialise(CC._qkv_kernel, KA=Q4_1, KB=Q4_1, KC=Q8_0, D=576), W * 3 + (f32_2, f32_1, nt.float32)
+                  + (f32_2,) * 3),
+                 (specialise(CM._mm3_kernel, KA=Q4_1, KB=Q4_1, KC=Q8_0), (u8_2, f32_2, I, f32_2) * 3 + (f32_2, I))]
     ptxas = find_ptxas(a.ptxas, a.site)
     print(f"ptxas: {ptxas or 'none found (PTX only)'}")
     bad = 0

@@ -3,7 +3,9 @@ same public names and arguments, device arrays in and out. Picked through kernel
 
 Reductions: on a GPU, warp sums use shuffles (cuda.shfl_down_sync); under NUMBA_ENABLE_CUDASIM=1 (the
 simulator has no shuffles) they go through shared memory instead (SIM below, fixed at import)."""
+import functools
 import os
+import types
 
 import numpy as np
 
@@ -167,6 +169,19 @@ def block_sum(v, sh):
     r = sh[0]
     cuda.syncthreads()
     return r
+
+
+@functools.lru_cache(maxsize=None)
+def specialise(kernel, **consts):
+    """A copy of kernel (a module-level @cuda.jit) compiled with these module constants (weight kinds,
+    widths) in place of the module's defaults: numba freezes globals as constants, so the branches for
+    other values are dead code (a kernel per weight type, as the CPU's literal kinds)."""
+    fn = kernel.py_func
+    g = dict(fn.__globals__)
+    g.update(consts)
+    f = types.FunctionType(fn.__code__, g, fn.__name__, fn.__defaults__, fn.__closure__)
+    f.__module__ = fn.__module__
+    return cuda.jit(f)
 
 
 def grid(n, per):

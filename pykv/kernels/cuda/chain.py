@@ -17,15 +17,13 @@ Kernels are specialised at compile time: `_special` makes a copy of a kernel who
 KC (weight kinds), ROT (undo the rotation) and the staged widths are constants, so the element decoder's
 if-chain of every other weight type is dead code.  One copy per distinct combination (a model has a few).
 PYKV_CUDA_FUSE=0 turns the chain off (the separate launches, for comparison)."""
-import functools
 import math
 import os
-import types
 
 import numpy as np
 from numba import cuda
 
-from pykv.kernels.cuda import WL, warp_sums
+from pykv.kernels.cuda import WL, specialise, warp_sums
 from pykv.kernels.cuda import matmul as CM
 from pykv.kernels.cuda.matmul import _SH
 from pykv.kernels.cuda import ops as CO
@@ -166,18 +164,6 @@ def _qkv_kernel(rq, fq, rk, fk, rv, fv, x, w, eps, q, k, v):
             v[0, r - nq - nk] = acc[0]
 
 
-@functools.lru_cache(maxsize=None)
-def _special(kernel, **consts):
-    """A copy of kernel (a module-level @cuda.jit) compiled with these module constants (KA, ROT, D, ...)
-    in place of the defaults above: numba freezes globals as constants."""
-    fn = kernel.py_func
-    g = dict(fn.__globals__)
-    g.update(consts)
-    f = types.FunctionType(fn.__code__, g, fn.__name__, fn.__defaults__, fn.__closure__)
-    f.__module__ = fn.__module__
-    return cuda.jit(f)
-
-
 def enabled() -> bool:
     """On unless PYKV_CUDA_FUSE=0 (then the model runs each call as its own launch)."""
     return os.environ.get("PYKV_CUDA_FUSE", "1") != "0"
@@ -212,15 +198,15 @@ def bind(tail, head, views, act_d, act_ff, sign, rotate: bool, eps: float, kv):
     if tail is not None:
         wo, wg, wu, wd, fnorm = tail
         FFm = wg.rows
-        k1 = _special(_out_kernel, KA=int(wo.kind), ROT=bool(rotate), D=Dm, HD=HDm)
+        k1 = specialise(_out_kernel, KA=int(wo.kind), ROT=bool(rotate), D=Dm, HD=HDm)
         calls.append((k1, (CM.grid(Dm, NW), NTH), (wo.raw, wo.fw, v.att3, sign, x)))
-        k2 = _special(_gate_up_kernel, KA=int(wg.kind), KB=int(wu.kind), D=Dm)
+        k2 = specialise(_gate_up_kernel, KA=int(wg.kind), KB=int(wu.kind), D=Dm)
         calls.append((k2, (CM.grid(FFm, NW), NTH), (wg.raw, wg.fw, wu.raw, wu.fw, x, fnorm, eps, act_ff.x)))
-        k3 = _special(_down_kernel, KA=int(wd.kind), FF=FFm, FS=FFm if FFm <= XMAX else 1)
+        k3 = specialise(_down_kernel, KA=int(wd.kind), FF=FFm, FS=FFm if FFm <= XMAX else 1)
         calls.append((k3, (CM.grid(Dm, NW), NTH), (wd.raw, wd.fw, act_ff.x, x)))
     if head is not None:
         wq, wk, wv, anorm = head
-        k4 = _special(_qkv_kernel, KA=int(wq.kind), KB=int(wk.kind), KC=int(wv.kind), D=Dm)
+        k4 = specialise(_qkv_kernel, KA=int(wq.kind), KB=int(wk.kind), KC=int(wv.kind), D=Dm)
         n = wq.rows + 2 * wk.rows
         calls.append((k4, (CM.grid(n, NW), NTH), (wq.raw, wq.fw, wk.raw, wk.fw, wv.raw, wv.fw, x, anorm, eps,
                                                   v.q, v.k, v.v)))

@@ -10,7 +10,9 @@ block, a tile of TT tokens per block (each weight element is decoded once per TT
 elements l, l + 32, ... (the 32 lanes of a warp read one 32-block together), float32 accumulators, a warp
 sum (shuffles on a GPU; under the simulator 2 lanes and 16 rows per block, summed in shared memory).
 
-Element decoders: one scalar function per format, _w_elem(kind, raw, fw, r, e). The K-quant scale and
+Element decoders: one scalar function per format, _w_elem(kind, raw, fw, r, e); the product kernel is
+compiled once per combination of weight kinds (cuda.specialise), so kind is a constant there and the
+other formats' branches are dead code. The K-quant scale and
 quant helpers are the CPU module's own (_q3k_scale, _q23k_q, _k_scale_min), compiled again for the
 device from their Python source (a CUDA kernel cannot call a CPU @njit function)."""
 from __future__ import annotations
@@ -25,7 +27,7 @@ from pykv.kernels import matmul as _cpu
 from pykv.kernels import mm_raw as _raw
 from pykv.kernels.blocks import IQ4NL_F
 from pykv.kernels.mm_raw import BF16, F16, F32, IQ4_NL, Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q8_0, SUPPORTED_TYPES
-from pykv.kernels.cuda import SIM, WL, grid, warp_sums
+from pykv.kernels.cuda import SIM, WL, grid, specialise, warp_sums
 
 __all__ = ["Weight", "Act", "prepare_weight", "matmul", "matmul_fused", "fuse", "bind", "get_rows", "SUPPORTED_TYPES"]
 
@@ -143,10 +145,15 @@ def _store(acc, lane, r, ok, nt, t0, out):
             out[t0 + i, r] = acc[i]
 
 
+KA = KB = KC = 0     # the weight kinds of _mm3_kernel: constants of each specialised copy (_mm3)
+
+
 @cuda.jit
-def _mm3_kernel(ka, ra, fa, na, oa, kb, rb, fb, nb, ob, kc, rc, fc, nc, oc, x, T):
+def _mm3_kernel(ra, fa, na, oa, rb, fb, nb, ob, rc, fc, nc, oc, x, T):
     # out[t, r] = W[r] . x[t] for the rows of up to three weights sharing x, one launch: rows [0, na) of a,
-    # then b, then c (nb = nc = 0: one weight); block (NW warps) = NW rows x TT tokens
+    # then b, then c (nb = nc = 0: one weight); block (NW warps) = NW rows x TT tokens; weight kinds KA,
+    # KB, KC are compile-time constants (_mm3)
+    ka, kb, kc = KA, KB, KC
     lane = cuda.threadIdx.x % WL
     wi = cuda.threadIdx.x // WL
     r = cuda.blockIdx.x * NW + wi
@@ -274,6 +281,11 @@ class Act:
         self.T = int(T)
 
 
+def _mm3(ka, kb, kc):
+    """_mm3_kernel for these weight kinds (one compiled copy per combination a model has)."""
+    return specialise(_mm3_kernel, KA=int(ka), KB=int(kb), KC=int(kc))
+
+
 def _check_out(w: Weight, T: int, out) -> None:
     if out.dtype != np.float32 or out.ndim != 2 or out.shape[1] != w.rows or out.shape[0] < T:
         raise ValueError(f"matmul: out must be float32 (>={T}, {w.rows}), got {out.dtype}{tuple(out.shape)}")
@@ -285,8 +297,8 @@ def matmul(w: Weight, act: Act, out) -> None:
     if act.cols != w.cols:
         raise ValueError(f"matmul: weight has {w.cols} cols, activation has {act.cols}")
     _check_out(w, T, out)
-    _mm3_kernel[(grid(w.rows, NW), grid(T, TT)), WL * NW](
-        w.kind, w.raw, w.fw, w.rows, out, w.kind, w.raw, w.fw, 0, out, w.kind, w.raw, w.fw, 0, out, act.x, T)
+    _mm3(w.kind, w.kind, w.kind)[(grid(w.rows, NW), grid(T, TT)), WL * NW](
+        w.raw, w.fw, w.rows, out, w.raw, w.fw, 0, out, w.raw, w.fw, 0, out, act.x, T)
 
 
 def fuse(ws) -> tuple:
@@ -317,9 +329,8 @@ def matmul_fused(ws, act: Act, outs) -> None:
     c, oc = (ws[2], outs[2]) if len(ws) == 3 else (ws[1], outs[1])
     nc = c.rows if len(ws) == 3 else 0
     n = a.rows + b.rows + nc
-    _mm3_kernel[(grid(n, NW), grid(T, TT)), WL * NW](
-        a.kind, a.raw, a.fw, a.rows, outs[0], b.kind, b.raw, b.fw, b.rows, outs[1],
-        c.kind, c.raw, c.fw, nc, oc, act.x, T)
+    _mm3(a.kind, b.kind, c.kind)[(grid(n, NW), grid(T, TT)), WL * NW](
+        a.raw, a.fw, a.rows, outs[0], b.raw, b.fw, b.rows, outs[1], c.raw, c.fw, nc, oc, act.x, T)
 
 
 def get_rows(w: Weight, ids, out) -> None:
