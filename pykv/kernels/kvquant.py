@@ -64,7 +64,7 @@ import numpy as np
 from numba import njit, prange
 
 from pykv.files.formats import (CODE_BF16, CODE_F16, CODE_F32, CODE_FP8_E4M3, CODE_FP8_E5M2, CODE_INT2,
-                       CODE_INT4, CODE_IQ4_NL, CODE_Q4_0, CODE_Q4_1, CODE_Q5_0, CODE_Q5_1, CODE_Q8_0, KV_FORMATS)
+                       CODE_INT4, CODE_IQ4_NL, CODE_Q4_0, CODE_Q4_1, CODE_Q5_0, CODE_Q5_1, CODE_Q8_0)
 from pykv.kernels.blocks import (IQ4NL_F, NL_BYTES, NL_SCALE, TC_ROW, deq_rows, nl_e8, nl_level, nl_offset,
                                  nl_width, rd_f16, tc_len)
 from pykv.kernels.ops import PAR_T, qkv_prep_seqs
@@ -405,6 +405,17 @@ def _nl_sse(x, xo, code, d):
     return e
 
 
+@njit(cache=True, inline="always")
+def _put_code(dst, o, bit, q, w):
+    """OR the w-bit code q into dst's little-endian bit stream that starts at byte o, at bit `bit`
+    (the stream's bytes zeroed first; w <= 8)."""
+    p = o + (bit >> 3)
+    sh = bit & 7
+    dst[p] |= np.uint8((q << sh) & 0xFF)
+    if sh + w > 8:
+        dst[p + 1] |= np.uint8(q >> (8 - sh))
+
+
 @njit(cache=True)
 def _qblk_nl(x, xo, dst, do, code):
     """nl-family block (format `code`, position widths NL_BITS[code]) of x[xo:xo+64] -> dst[do:]."""
@@ -444,12 +455,7 @@ def _qblk_nl(x, xo, dst, do, code):
     for j in range(64):
         bits = nl_width(c, np.int64(j))
         q = _nl_index(fmul_rn(x[xo + j], idd), bits)
-        bit = nl_offset(c, np.int64(j))
-        p = do + sb + (bit >> 3)
-        sh = bit & 7
-        dst[p] |= np.uint8((q << sh) & 0xFF)
-        if sh + bits > 8:
-            dst[p + 1] |= np.uint8(q >> (8 - sh))
+        _put_code(dst, do + sb, nl_offset(c, np.int64(j)), q, bits)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -495,13 +501,7 @@ def _qrow_tc(code, x, dst):
             y[j] = fmul_rn(x[xo + j], idd)
         tc_viterbi(y, cbp, L, k, st, C, m, mp, bb, back)
         for j in range(64):
-            q = st[j] >> (L - k)
-            bit = k * j
-            p = do + 1 + (bit >> 3)
-            sh = bit & 7
-            dst[p] |= np.uint8((q << sh) & 0xFF)
-            if sh + k > 8:
-                dst[p + 1] |= np.uint8(q >> (8 - sh))
+            _put_code(dst, do + 1, k * j, st[j] >> (L - k), k)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -192,6 +192,7 @@ class KVCache:
         self._stage = {}     # "k"|"v" -> f16 rows (KVH, W + T, 2*HD) of a prefill batch and its window
         self._fold = None    # per layer: its decode attention can run inside the chain (fold_args)
         self._no_sinks = {}  # decode_group's unread rows by batch size
+        self._part_dev = None  # decode_group's device partials, the last shape
 
     def set_k_transform(self, cos, sin, sign) -> None:
         """The model's RoPE tables (n_ctx, n_rot/2) and Hadamard signs (HD,) (None: no rotation), which
@@ -638,7 +639,13 @@ class KVCache:
             cmax = max(cmax, C)
         # the partials: back to back on the CPU; a device kernel cannot reshape, so there one
         # (S, KVH, most chunks, G, HD + 2) array
-        part = be.zeros(off, np.float32) if be.name == "cpu" else be.zeros((S, KVH, cmax, G, HD + 2), np.float32)
+        if be.name == "cpu":
+            part = be.zeros(off, np.float32)
+        else:           # kept from step to step (each step writes the partials it reads): no allocation per token
+            shape = (S, KVH, cmax, G, HD + 2)
+            if self._part_dev is None or tuple(self._part_dev.shape) != shape:
+                self._part_dev = be.zeros(shape, np.float32)
+            part = self._part_dev
         def stack(arrays):      # one (S, ...) array where the kernels run
             if be.name == "cpu":
                 return np.stack(arrays)
@@ -654,7 +661,7 @@ class KVCache:
                 sinks = self._no_sinks[S] = be.zeros((S,) + tuple(seqs[0].sink_rows.shape), np.uint8)
         smooth = any(self.k_smooth)
         pos, items = np.array([s.n_tokens for s in seqs], np.int64), np.concatenate(items).astype(np.int32)
-        return DecodeGroup(pos, stack([s.page_table if be.name == "cpu" else s.pt_dev for s in seqs]), meta, items, part,
+        return DecodeGroup(pos, stack([s.pt_dev for s in seqs]), meta, items, part,
                            stack([s.k_shift for s in seqs]) if smooth else self._no_smooth(S, 0.0),
                            stack([s.k_scale for s in seqs]) if smooth else self._no_smooth(S, 1.0), sinks,
                            *(be.to_device(a) for a in (pos, meta, items)))
