@@ -283,13 +283,16 @@ def _tile_dot(fmt, nt=1):
             vi = _vec(I32, L)
             m15 = ir.Constant(_vec(I8, n4), [15] * n4)
             sh4 = ir.Constant(_vec(I8, n4), [4] * n4)
-            for ns, (xqp, xdp, xap, outp) in _groups(builder, rows, nt, tb):   # weights unpacked once a pass
+            for ns, (xqp, xdp, xap, outp), pf in _groups(builder, rows, nt, tb):   # weights unpacked once a pass
                 sums = {n: [cgutils.alloca_once_value(builder, ir.Constant(_vec(F32, L), [0.0] * L))
                             for _ in range(G)] for n in ns}
                 with cgutils.for_range(builder, nbv) as loop:
                     b = loop.index
                     xb = builder.mul(b, _c(32))
                     qb = builder.mul(b, _c(stride * R))
+                    _next_tile(builder, pf, b, nt, qtp, builder.mul(nbv, _c(stride * R)), qb, stride * R)
+                    _next_tile(builder, pf, b, nt, builder.bitcast(scp, I8.as_pointer()),
+                               builder.mul(nbv, _c(nsc * R * 2)), builder.mul(b, _c(nsc * R * 2)), nsc * R * 2)
                     xs, xdb, xfb, zxs = {}, {}, {}, {}      # per token n
                     for n in ns:
                         # the 4-byte activation groups in pair order (Q4: low then high nibble columns)
@@ -437,14 +440,36 @@ def _row_ptr(context, builder, aty, arr):
 
 def _groups(builder, rows, nt, tb):
     """The passes of an nt-token tile call over its weights: (token indices, each array's row pointers
-    for them).  tb == nt: one pass for all nt tokens (the weights unpacked once); tb == 1: an IR loop
-    over the tokens, one per pass (the one-token code once, not nt copies of it)."""
+    for them, the pass's index (an i64 value) or None).  tb == nt: one pass for all nt tokens (the weights
+    unpacked once; None); tb == 1: an IR loop over the tokens, one per pass (the one-token code once, not
+    nt copies of it), whose later passes prefetch the next tile (_next_tile)."""
     assert tb in (1, nt), (tb, nt)
     if tb == nt:
-        yield list(range(nt)), [[f(_c(n)) for n in range(nt)] for f in rows]
+        yield list(range(nt)), [[f(_c(n)) for n in range(nt)] for f in rows], None
     else:
         with cgutils.for_range(builder, _c(nt)) as loop:
-            yield [0], [[f(loop.index)] for f in rows]
+            yield [0], [[f(loop.index)] for f in rows], loop.index
+
+
+# A tile call for several tokens one pass each reads its weights from memory in the first pass and
+# from L1 in the others: without help the core computes those passes with the memory idle, and stalls in
+# the next tile's first pass.  So the later passes prefetch the next tile (the bytes after this one's, in
+# the same weight's array) into L2, a share of its blocks each (measurements: docs/code-notes.md).
+NEXT_LOCALITY = 2
+
+
+def _next_tile(builder, pf, b, nt, base, tile_bytes, off, nbytes):
+    """IR, at block b of pass pf (an i64 value, or None: nothing) of an nt-token call: the passes after the
+    first take every (nt-1)-th block each, and for theirs prefetch nbytes at base + tile_bytes + off
+    (tile_bytes, off: i64 values; base an i8 pointer): the next tile's block b."""
+    if pf is None or nt == 1:
+        return
+    cond = builder.and_(builder.icmp_signed(">=", pf, _c(1)),
+                        builder.icmp_signed("==", builder.srem(b, _c(nt - 1)), builder.sub(pf, _c(1))))
+    with builder.if_then(cond):
+        start = builder.add(tile_bytes, off)
+        for o in range(0, nbytes, 64):
+            _prefetch(builder, base, builder.add(start, _c(o)), NEXT_LOCALITY)
 
 
 def _ktile_typer(fmt, nt):
@@ -488,11 +513,12 @@ def _ktile_typer(fmt, nt):
             def xsum(n, b, h):                 # splat of token n's xb[16b + h]
                 return _splat(builder, _ld(builder, xbp[n], builder.add(builder.mul(b, _c(16)), _c(h)), I32, 4), L)
 
-            for ns, (xqp, xdp, xbp, outp) in _groups(builder, rows, nt, tb):   # weights unpacked once a pass
+            for ns, (xqp, xdp, xbp, outp), pf in _groups(builder, rows, nt, tb):   # weights unpacked once a pass
                 sums = {n: cgutils.alloca_once_value(builder, ir.Constant(_vec(F32, L), [0.0] * L)) for n in ns}
                 with cgutils.for_range(builder, nv) as loop:
                     b = loop.index
                     base = builder.mul(b, _c(SB * R))
+                    _next_tile(builder, pf, b, nt, qtp, builder.mul(nv, _c(SB * R)), base, SB * R)
                     xb0 = builder.mul(b, _c(256))
                     if KPF_AHEAD:                    # the super-block KPF_AHEAD ahead (past the tile: the next one's)
                         for o in range(0, SB * R, 64):

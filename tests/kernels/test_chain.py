@@ -33,22 +33,22 @@ def tiny(request, tmp_path_factory):
 
 def _decode(m, ids, chains: bool, fold: bool = True):
     """Logits of a 3-token prefill, then one token a step: through the chains (fold: with the layers'
-    attention inside them, KVCache.fold_args) or the separate calls.  Returns them and how many layer
+    attention inside them, KVCache.fold_group) or the separate calls.  Returns them and how many layer
     steps ran their attention in a chain."""
     m._chains = None if chains else False       # False: Model._decode_chains answers None
     seq = m.new_sequence()
-    f0, n = m.cache.fold_args, [0]
+    f0, n = m.cache.fold_group, [0]
 
-    def counted(seq, chunk):
-        a = f0(seq, chunk) if fold else [None] * m.config.n_layers
+    def counted(grp):
+        a = f0(grp) if fold else [None] * m.config.n_layers
         n[0] += sum(x is not None for x in a)
         return a
-    m.cache.fold_args = counted
+    m.cache.fold_group = counted
     try:
         out = [m.eval(seq, ids[:3])]                 # a prefill, then one token a step
         out += [m.eval(seq, [i]) for i in ids[3:]]
     finally:
-        del m.cache.fold_args
+        del m.cache.fold_group
     return np.concatenate(out), n[0]
 
 
@@ -131,19 +131,25 @@ def test_fetch_add_is_atomic_across_threads():
 @pytest.mark.parametrize("opts,folds", [({}, True), ({"kv_type_k": "kivi4", "kv_type_v": "kivi4"}, False),
                                         ({"kv_type_k": "q8_0", "kv_type_v": "q8_0", "kv_window": 8}, False),
                                         ({"kv_type_k": "q8_0", "kv_type_v": "q8_0", "kv_prerope": True}, False)])
-def test_fold_args_only_where_the_chain_covers_the_layer(tiny, opts, folds):
+def test_fold_group_only_where_the_chain_covers_the_layer(tiny, opts, folds):
     """The chain runs a layer's attention only for caches whose decode append and reads it does the same
-    way (KVCache.fold_args): not a KIVI ring, not an f16 window, not pre-RoPE keys; never a sequence's
-    first token, a sink row's token or during a key capture."""
+    way (KVCache.decode_group, fold_group): not a KIVI ring, not an f16 window, not pre-RoPE keys; never a
+    sequence's first token, a sink row's token or during a key capture."""
     name, path = tiny
     m = pykv.load(path, n_ctx=64, **opts)
     L, c = m.config.n_layers, m.cache
     seq = m.new_sequence()
-    assert c.fold_args(seq, 32) == [None] * L        # the first token fixes the key smoothing
+    assert c.decode_group([seq], 2) is None        # the first token fixes the key smoothing
+    assert c.fold_group(None) == [None] * L
     m.eval(seq, [5, 6, 7, 8, 9, 10])
-    fa = c.fold_args(seq, 32)
+    grp = c.decode_group([seq], 2)
+    assert (grp is not None) == folds
+    fa = c.fold_group(grp)
     assert [a is not None for a in fa] == [folds] * L
     if folds:
-        assert fa[1][:5] == (6, 32, 0, 0, 1) and fa[1][6] is seq.pt_dev
+        ga = fa[1][4]           # the group's arrays, one chain.GroupArgs for every layer's call
+        assert fa[1][:3] == (0, 0, 1) and all(f[4] is ga for f in fa) and list(grp.pos) == [6]
+        assert np.shares_memory(grp.page_tables, seq.pt_dev)       # one sequence: its own page table, no copy
+        assert tuple(grp.meta[0, :2]) == (6, c.chunk_for(7, 1, 2))
         c.capture = object()
-        assert c.fold_args(seq, 32) == [None] * L
+        assert c.decode_group([seq], 2) is None
