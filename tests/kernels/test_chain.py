@@ -7,6 +7,7 @@ from gguf import GGMLQuantizationType as T
 from numba import njit, prange
 
 import pykv
+from pykv.kernels import chain
 from pykv.kernels import matmul as mm
 from pykv.kernels.sync import fetch_add, load_acquire
 from tests.reference import write_tiny_gguf
@@ -153,3 +154,37 @@ def test_fold_group_only_where_the_chain_covers_the_layer(tiny, opts, folds):
         assert tuple(grp.meta[0, :2]) == (6, c.chunk_for(7, 1, 2))
         c.capture = object()
         assert c.decode_group([seq], 2) is None
+
+
+def test_batched_step_runs_the_chains_with_every_row(tiny):
+    """A step of one-token sequences (Decoder.step) is the chains over all its rows, the attention of
+    every layer inside them; each sequence gets the logits of its own one-token step."""
+    name, path = tiny
+    m = pykv.load(path, n_ctx=64, max_seqs=3, kv_type_k="q4_0", kv_type_v="q4_0")
+    prompts = [[5, 77, 3, 260, 261, 9], [140, 33, 2, 250, 1, 17, 8, 99], [12, 13, 14, 15, 16, 17, 18]]
+    seqs = [m.cache.new_sequence() for _ in prompts]
+    for s, p in zip(seqs, prompts):
+        m.eval(s, p)
+    calls = []
+    chained = m._decode_chains() is not None
+    f0 = chain.Chain.__call__
+
+    def counted(self, T=1, fa=None):
+        calls.append((T, fa is not None))
+        return f0(self, T, fa)
+    chain.Chain.__call__ = counted
+    try:
+        got = m.step([(s, [7 + i]) for i, s in enumerate(seqs)])
+    finally:
+        chain.Chain.__call__ = f0
+    assert chained == (name != "f16")
+    L = m.config.n_layers
+    if name == "f16":            # no chain for float weights: the separate calls
+        assert calls == []
+    else:
+        assert calls == [(3, True)] * L + [(3, False)]     # the last chain has no next layer's attention
+    ones = [m.cache.new_sequence() for _ in prompts]
+    for i, (s, p) in enumerate(zip(ones, prompts)):
+        m.eval(s, p)
+        want = m.step([(s, [7 + i])])
+        np.testing.assert_array_equal(got[i], want[0])
