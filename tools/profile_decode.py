@@ -80,13 +80,13 @@ def _timed_bound(b, acc):
 def _timed_chain(c, i, n, acc):
     """Decode chain i of n (kernels.chain), timed: the first runs the first layer's norm and Q/K/V, the
     last the last layer's output and FFN, the others a layer's output and FFN plus the next one's Q/K/V;
-    with "+ attn" the Q/K/V layer's attention too (KVCache.fold_group)."""
+    with "+ attn" the Q/K/V layer's attention too (KVCache.fold_args)."""
     base = ("chain: norm, q/k/v" if i == 0 else "chain: o, ffn" if i == n - 1
             else "chain: o, ffn, next q/k/v")
 
-    def g(T=1, fa=None):
+    def g(fa=None):
         t0 = time.perf_counter()
-        c(T, fa)
+        c(fa)
         acc[base if fa is None else base + " + attn"].append(time.perf_counter() - t0)
     return g
 
@@ -122,7 +122,7 @@ def main():
     ap.add_argument("-ctv", default="f16", help="KV cache value type")
     ap.add_argument("--no-chain", action="store_true", help="decode through the separate calls, not kernels.chain")
     ap.add_argument("--no-fold", action="store_true",
-                    help="each layer's attention between the chains, not inside them (KVCache.fold_group)")
+                    help="each layer's attention between the chains, not inside them (KVCache.fold_args)")
     a = ap.parse_args()
     if a.prefill < 0 or a.tokens < 1 or a.depth < 0:
         ap.error("--prefill and --depth must be >= 0, --tokens >= 1")
@@ -130,7 +130,7 @@ def main():
     if a.no_chain:
         model._chains = False           # Model._decode_chains: none
     if a.no_fold:
-        model.cache.fold_group = lambda grp: [None] * model.config.n_layers
+        model.cache.fold_args = lambda seq, chunk: [None] * model.config.n_layers
     seq = model.new_sequence()
     # seconds per unit (a decoded token, or the whole prefill) and the timed runs' units
     if a.prefill:

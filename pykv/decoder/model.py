@@ -304,15 +304,15 @@ class Decoder:
         bits do not depend on the batch); RoPE, the cache append and attention run per segment.
         grp (a KVCache.DecodeGroup): segs' first len(grp.pos) segments are one-token sequences whose RoPE,
         append and attention run batched, one call each for all of them (rows 0 .. S - 1).
-        chains (a step of T one-token sequences, _decode_chains): chains[li] ran this layer's norm and
-        Q/K/V products, and its attention where fold[li] (KVCache.fold_group) is not None; chains[li + 1]
-        runs everything after its attention (and the next layer's)."""
+        chains (one decode token, _decode_chains): chains[li] ran this layer's norm and Q/K/V products,
+        and its attention where fold[li] (KVCache.fold_args) is not None; chains[li + 1] runs
+        everything after its attention (and the next layer's)."""
         cfg, st, lw, cache = self.config, self.state, self.weights.layers[li], self.cache
         ops = self.be.ops
         vw, ad, af = st.views(T), st.act_d, st.act_ff
         x, o = vw.x, vw.o
         if chains is not None and fold[li] is not None:     # attention ran in chains[li]
-            chains[li + 1](T, fold[li + 1])
+            chains[li + 1](fold[li + 1])
             return
         if chains is None:
             mq, mo, mgu, mdown = self._bound_calls(li, T, vw)
@@ -332,7 +332,7 @@ class Decoder:
         for seq, r0, t, chunk in segs[S:]:
             self._attention(li, seq, vw, r0, t, chunk)
         if chains is not None:              # this layer's tail and the next layer's head, one region
-            chains[li + 1](T, fold[li + 1])
+            chains[li + 1](fold[li + 1])
             return
         att3 = vw.att3
         ops.attn_out_act(att3, self.rot_sign, self.rotate, ad.x, ad.xf)
@@ -390,22 +390,20 @@ class Decoder:
         return c
 
     def _decode_chains(self):
-        """The backend's chains (kernels.chain) of a step of one-token sequences (on a GPU: one sequence),
-        one per layer boundary: [0] the
+        """The backend's chains (kernels.chain) of a one-token step, one per layer boundary: [0] the
         first layer's norm and Q/K/V, [l + 1] layer l after its attention and layer l + 1's head;
         None where the backend or a weight has none (each layer's calls then run one by one)."""
         ch = self._chains
         if ch is None:
             cfg, lws, st, bind = self.config, self.weights.layers, self.state, self.be.chain.bind
             L = cfg.n_layers
-            rows = self.step_rows if self.be.name == "cpu" else 1     # a GPU's chains take one token
             ch = []
             for b in range(L + 1):
                 t, h = (lws[b - 1] if b else None), (lws[b] if b < L else None)
-                kv = self.cache.fold_static(b if b < L else 0, self.cos, self.sin, cfg.rope_dims,
+                kv = self.cache.fold_static(b if b < L else 0, self.cos, self.sin, st.part, cfg.rope_dims,
                                             self.q_mul)           # layer b's attention (mode ATTN)
                 c = bind(None if t is None else (t.wo, t.w_gate, t.w_up, t.w_down, t.ffn_norm),
-                         None if h is None else (h.wq, h.wk, h.wv, h.attn_norm), st.views(rows), st.act_d,
+                         None if h is None else (h.wq, h.wk, h.wv, h.attn_norm), st.views(1), st.act_d,
                          st.act_ff, self.rot_sign, self.rotate, cfg.norm_eps, kv)
                 if c is None:
                     ch = False
@@ -430,16 +428,11 @@ class Decoder:
         order = None
         grp = None
         n1 = sum(1 for _, i in work if len(i) == 1)
-        cpu = self.be.name == "cpu"
-        # a step of one-token sequences runs through the decode chains (the CPU's take many, a GPU's one)
-        chains = self._decode_chains() if n1 == len(work) and (cpu or n1 == 1) else None
-        if n1 > 1 or (n1 and (not cpu or chains is not None)):
+        if n1 > 1 or (n1 and self.be.name != "cpu"):
             # the one-token sequences first, batched (KVCache.decode_group) where they can be; on a GPU
-            # also one alone: its RoPE, K / V appends and attention are then three launches a layer; on
-            # the CPU the chains run the group's attention (KVCache.fold_group)
-            if len(work) > 1:
-                order = sorted(range(len(work)), key=lambda j: len(work[j][1]) != 1)
-                work = [work[j] for j in order]
+            # also one alone: its RoPE, K / V appends and attention are then three launches a layer
+            order = sorted(range(len(work)), key=lambda j: len(work[j][1]) != 1)
+            work = [work[j] for j in order]
             grp = self.cache.decode_group([seq for seq, _ in work[:n1]], self.be.workers())
         ids = work[0][1] if len(work) == 1 else np.concatenate([np.asarray(i, np.int64) for _, i in work])
         T = len(ids)
@@ -451,10 +444,11 @@ class Decoder:
         for seq, i in work:
             segs.append((seq, r0, len(i), self.cache.chunk_for(seq.n_tokens + len(i), len(i), workers)))
             r0 += len(i)
+        chains = self._decode_chains() if T == 1 else None
         fold = None
         if chains is not None:
-            fold = self.cache.fold_group(grp if cpu else None) + [None]    # [L]: the last chain has no next layer
-            chains[0](T, fold[0])
+            fold = self.cache.fold_args(segs[0][0], segs[0][3]) + [None]    # [L]: the last chain has no next layer
+            chains[0](fold[0])
         for li in range(self.config.n_layers):
             self._layer(li, segs, T, chains, fold, grp)
         for seq, _, t, _ in segs:

@@ -739,24 +739,17 @@ def attend_seqs(q, kpool, vpool, kres, vres, sinks, li, ns_k, ns_v, page_tables,
             _seq_item(q, kpool, vpool, kres, vres, sinks, li, ns_k, ns_v, page_tables, meta, items, P, kcode, kbits,
                       vcode, rcode, part, kx, cos, sin, np.int64(i), KVH, G, HD)
     for s in range(S):
-        merge_seq(part, meta, s, KVH, G, HD, out)
+        n_past, chunk, off = meta[s, 0], meta[s, 1], meta[s, 2]
+        C = (n_past + chunk) // chunk
+        ps = part[off:off + KVH * C * G * (HD + 2)].reshape((1, KVH, C, G, HD + 2))
+        merge_row(ps, C, G, _Z, out[s])
 
 
-@njit(cache=True, nogil=True, fastmath=_FM, inline="always")
-def merge_seq(part, meta, s, KVH, G, HD, out):
-    """Sequence s's merge of attend_seqs (out (S, 1, H, HD)): its partials, at meta[s, 2] in part."""
-    n_past, chunk, off = meta[s, 0], meta[s, 1], meta[s, 2]
-    C = (n_past + chunk) // chunk
-    ps = part[off:off + KVH * C * G * (HD + 2)].reshape((1, KVH, C, G, HD + 2))
-    merge_row(ps, C, G, _Z, out[s])
-
-
-@njit(cache=True, nogil=True, fastmath=_FM, inline="always")
+@njit(cache=True, nogil=True, fastmath=_FM)
 def _seq_item(q, kpool, vpool, kres, vres, sinks, li, ns_k, ns_v, page_tables, meta, items, P, kcode, kbits, vcode,
               rcode, part, kx, cos, sin, i, KVH, G, HD):
     """Work item items[i] of attend_seqs: attend's decode item (KV head, key chunk) of one sequence,
-    calling _item as the decode chain does (kernels.chain: the same bits as attend; inlined in both, so
-    the arrays go to _item in one call)."""
+    calling _item as the decode chain does (kernels.chain: the same bits as attend)."""
     s, it = items[i, 0], items[i, 1]
     n_past, chunk, off = meta[s, 0], meta[s, 1], meta[s, 2]
     n_tot = n_past + 1

@@ -27,12 +27,11 @@ KERNEL_MODULES = ("matmul", "ops", "kvquant", "attention", "sampler", "chain")
 # names but for these, each with the reason it has no twin (tests/kernels/test_twins.py checks it):
 CPU_ONLY = {
     "attention": {"item_cres": "the CPU decode chain's attention stage calls it; the GPU chain leaves attention to the cache",
-                  "merge_row": "a row helper the CPU chain inlines",
-                  "merge_seq": "a decode group's merge of one sequence, which the CPU chain runs as a work item"},
+                  "merge_row": "a row helper the CPU chain inlines"},
     "chain": {name: "the CPU chain's one parallel region and its attention stages: the GPU's Chain is four "
                     "fused launches, the attention stays with the cache" for name in
-              ("AttnFn", "AttnFnType", "ChainArgs", "ChainArgsType", "GroupArgs", "GroupArgsType",
-               "attention_stand_in", "attn_fn", "chain", "code")},
+              ("AttnFn", "AttnFnType", "ChainArgs", "ChainArgsType", "attention_stand_in", "attn_fn",
+               "chain", "code")},
     "kvquant": {name: "host-side quantizers and scalar helpers (convert, tests, CPU kernels inline them)" for name in
                 ("bf16_bits", "dequantize_row", "f16_next_down", "f16_next_up", "f32_to_f16_bits", "fp8_encode",
                  "kivi_code", "kivi_kpage_group", "kivi_params", "kivi_quantize_kpage", "nl_e8_floor", "pow2f",
@@ -46,8 +45,7 @@ CPU_ONLY = {
             "rope_yarn_corr_dims": "host-side, part of rope_tables",
             "exp_neg": "an inlined scalar helper of the CPU kernels",
             "rmsnorm_act_row": "a row helper the CPU chain inlines", "add_rmsnorm_act_row": "as rmsnorm_act_row",
-            "swiglu_act_row": "as rmsnorm_act_row", "attn_out_act_row": "as rmsnorm_act_row",
-            "qkv_prep_seq_row": "as rmsnorm_act_row (a decode group's row of qkv_prep_seqs)"},
+            "swiglu_act_row": "as rmsnorm_act_row", "attn_out_act_row": "as rmsnorm_act_row"},
     "sampler": {},
 }
 GPU_ONLY = {

@@ -1,21 +1,21 @@
 """A decode step's work between two attentions in ONE parallel region (CPU).
 
-A decode token's layer is ~10 kernel calls; each call costs microseconds of dispatch and parallel start,
-and a thread that finishes its static share of a small product waits for the others.  `chain` runs, for
-the T one-token sequences of a decode step (T = 1: one sequence's token), the tail of layer l and the
-head of layer l+1 as numbered work items that the threads claim in order from a shared counter:
+One token's layer is ~10 kernel calls; each parallel region costs microseconds to start, and a thread
+that finishes its static share of a small product waits for the others.  `chain` runs, for one token,
+the tail of layer l and the head of layer l+1 as numbered work items that the threads claim in order
+from a shared counter:
 
-    stage 0  attn_out_act (+ its q8 blocks)          an item per row
-    stage 1  o = att @ wo                            one run of row tiles per thread (all T tokens)
-    stage 2  x += o; rmsnorm (ffn_norm) (+ q8)       an item per row
+    stage 0  attn_out_act (+ its q8 blocks)          1 item
+    stage 1  o = att @ wo                            one run of row tiles per thread
+    stage 2  x += o; rmsnorm (ffn_norm) (+ q8)       1 item
     stage 3  g, u = x @ (w_gate, w_up)               runs over the tiles of both
-    stage 4  swiglu (+ q8)                           an item per row
+    stage 4  swiglu (+ q8)                           1 item
     stage 5  o = swiglu @ w_down                     runs
-    stage 6  x += o; rmsnorm (next attn_norm) (+ q8) an item per row  (no tail: rmsnorm of x; no head: x += o)
+    stage 6  x += o; rmsnorm (next attn_norm) (+ q8) 1 item  (no tail: rmsnorm of x; no head: x += o)
     stage 7  q, k, v = x @ (wq, wk, wv)              runs over the tiles of the three
-    stage 8  RoPE, smoothing, rotation; the K/V rows into the cache      an item per row  (mode ATTN)
-    stage 9  attention over the cache: the decode group's items (sequence, KV head, key chunk)  (mode ATTN)
-    stage 10 the chunks' partials merged into att (layer l+1's attention output)   an item per row  (mode ATTN)
+    stage 8  RoPE, smoothing, rotation (ops.qkv_prep); the K/V rows into the cache   1 item  (mode ATTN)
+    stage 9  attention over the cache: one item per (KV head, key chunk)            (mode ATTN)
+    stage 10 the chunks' partials merged into att (layer l+1's attention output)   1 item  (mode ATTN)
 
 An item waits (spinning, then yielding its core: sync.wait_until) until the nearest non-empty earlier stage has finished every item; a product item
 that has to wait prefetches its first row tile meanwhile.  Items are claimed in increasing order and only wait on
@@ -23,11 +23,10 @@ lower-numbered ones, each held by a running thread, so the region finishes at an
 thread runs them in order).  Every product is the integer tile dot of the matmul kernels, so the
 results equal matmul's bit for bit.
 
-Stages 8-10 (mode ATTN: Model asks for them when the layer's cache is one they cover, KVCache.fold_group)
-run layer l+1's attention in the same region, through the functions the separate calls of a decode
-group run (KVCache.append_seqs / attend_seqs: qkv_prep, kvquant's row append, attention's work item and
-merge), with each sequence's own chunks: the results are the same bits, and a decode step has no
-Python between two chains.
+Stages 8-10 (mode ATTN: Model asks for them when the layer's cache is one they cover, KVCache.fold_args)
+run layer l+1's attention in the same region, through the functions the separate calls run (qkv_prep,
+kvquant's row append, attention's work item and merge), with the same chunks: the results are the
+same bits, and a decode step has no Python between two chains.
 
 Weight codes (compile-time literals): matmul's _KIND_ITILE_* kind (q8_0 activations), or KOFF + the
 ggml type of a K-quant tile (q8_K activations).
@@ -42,9 +41,10 @@ from numba.experimental import structref
 from pykv.kernels import matmul as M
 from pykv.kernels.mm_raw import _FM, _q8_row, _q8k_row
 from pykv.kernels.matmul import _ITILE_FMT, _KTILE_FMT
-from pykv.kernels.attention import _seq_item, merge_seq
-from pykv.kernels.kvquant import _append_seq_row
-from pykv.kernels.ops import add_rmsnorm_act_row, attn_out_act_row, qkv_prep_seq_row, rmsnorm_act_row, swiglu_act_row
+from pykv.kernels.attention import _item as _att_item
+from pykv.kernels.attention import merge_row
+from pykv.kernels.kvquant import _append_row
+from pykv.kernels.ops import add_inplace, add_rmsnorm_act_row, attn_out_act_row, qkv_prep, rmsnorm_act_row, swiglu_act_row
 from pykv.kernels.simd import prefetch
 from pykv.kernels.sync import fetch_add, load_acquire, wait_until
 from pykv.kernels.tiles import KTILE_ROWS, TILE_ROWS, dot_any_by
@@ -52,34 +52,36 @@ from pykv.kernels.tiles import KTILE_ROWS, TILE_ROWS, dot_any_by
 KOFF = 100
 TAIL, HEAD, ATTN = 1, 2, 4  # mode bits: layer l's tail (stages 0-6), layer l+1's head (6-7), its attention (8-10)
 N_STAGES = 11
-RUNS_T = 4          # several tokens: a product's items are RUNS_T runs of tiles per thread (compute-bound at
-                    # 8 tokens: finer shares, claimed as threads come free, balance the threads)
 SYNC = 8 * (1 + N_STAGES)
 _dot = dot_any_by(_ITILE_FMT, _KTILE_FMT, KOFF)
+# Constant arguments to functions that Model's separate calls run too go in as int64, not as literals: a
+# constant 0 would be typed Literal[int](0) and compile a second specialization of the callee (a long
+# compile again on a cold cache, for attention's work item).
+_I0 = np.int64(0)
 
 
 @njit(cache=True, nogil=True, fastmath=_FM)
-def _quant(c0, c1, c2, X, XQ, XD, XS, XF, XQK, XDK, XBK, t):
-    """The activation blocks the weights of codes c0..c2 read (q8_0 and / or q8_K) of token t of X."""
+def _quant(c0, c1, c2, X, XQ, XD, XS, XF, XQK, XDK, XBK):
+    """The activation blocks the weights of codes c0..c2 read (q8_0 and / or q8_K) of token 0 of X."""
     if c0 < KOFF or c1 < KOFF or c2 < KOFF:
-        _q8_row(X, t, XQ, XD, XS, XF)
+        _q8_row(X, 0, XQ, XD, XS, XF)
     if c0 >= KOFF or c1 >= KOFF or c2 >= KOFF:
-        _q8k_row(X, t, XQK, XDK, XBK)
+        _q8k_row(X, 0, XQK, XDK, XBK)
 
 
 @njit(cache=True, nogil=True, fastmath=_FM)
-def _tile(code, qt, sc, i, t, XQ, XD, XS, XQK, XDK, XBK, out):
-    """Row tile i of one weight for token t: out[t, i*R:(i+1)*R] (compiled once per literal code: every
+def _tile(code, qt, sc, i, XQ, XD, XS, XQK, XDK, XBK, out):
+    """Row tile i of one weight for token 0: out[i*R:(i+1)*R] (compiled once per literal code: every
     chain with that weight type links the same code)."""
     literally(code)
     if code >= KOFF:
         r0 = i * KTILE_ROWS
-        _dot(code, qt[i], sc[0], XQ[t], XD[t], XS[t], XQK[t], XDK[t], XBK[t], XDK.shape[1],
-             out[t, r0:r0 + KTILE_ROWS])
+        _dot(code, qt[i], sc[0], XQ[0], XD[0], XS[0], XQK[0], XDK[0], XBK[0], XDK.shape[1],
+             out[0, r0:r0 + KTILE_ROWS])
     else:
         r0 = i * TILE_ROWS
-        _dot(code, qt[i], sc[i], XQ[t], XD[t], XS[t], XQK[t], XDK[t], XBK[t], qt.shape[1],
-             out[t, r0:r0 + TILE_ROWS])
+        _dot(code, qt[i], sc[i], XQ[0], XD[0], XS[0], XQK[0], XDK[0], XBK[0], qt.shape[1],
+             out[0, r0:r0 + TILE_ROWS])
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -93,8 +95,7 @@ def _warm(qt, i):
 
 @njit(cache=True, nogil=True)
 def _warm_item(s, j, W):
-    """Prefetch row tile j of product stage s (W: chain's weights): the first tile of an item that waits
-    for the previous stage, or the next tile of a several-token item (see _item)."""
+    """Prefetch the first row tile of product stage s's item starting at tile j (W: chain's weights)."""
     wq, wk, wv, wo, wg, wu, wd = W[0], W[2], W[4], W[6], W[8], W[10], W[12]
     if s == 1:
         _warm(wo, j)
@@ -114,42 +115,10 @@ def _warm_item(s, j, W):
             _warm(wv, j - wq.shape[0] - wk.shape[0])
 
 
-@njit(cache=True, nogil=True, fastmath=_FM, inline="always")
-def _rows(cq, ck, cv, co, cg, cu, cd, s, t, mode, eps, rotate, B, A, F):
-    """Serial stage s (0, 2, 4, 6) for row t: the norms, activations and their q8 blocks (inlined: a call
-    would pass _item's ~30 arrays on)."""
-    att, sign, x, norm_f, norm_a, q, k, v, o, g, u = B
-    AX, AXQ, AXD, AXS, AXF, AXQK, AXDK, AXBK = A
-    FX, FXQ, FXD, FXS, FXF, FXQK, FXDK, FXBK = F
-    if s == 0:
-        attn_out_act_row(att, sign, rotate, AX, AXF, t)
-        _quant(co, co, co, AX, AXQ, AXD, AXS, AXF, AXQK, AXDK, AXBK, t)
-    elif s == 2:
-        add_rmsnorm_act_row(x, o, norm_f, eps, AX, AXF, t)
-        _quant(cg, cu, cu, AX, AXQ, AXD, AXS, AXF, AXQK, AXDK, AXBK, t)
-    elif s == 4:
-        swiglu_act_row(g, u, FX, FXF, t)
-        _quant(cd, cd, cd, FX, FXQ, FXD, FXS, FXF, FXQK, FXDK, FXBK, t)
-    else:
-        tail = (mode & TAIL) != 0
-        head = (mode & HEAD) != 0
-        if tail and head:
-            add_rmsnorm_act_row(x, o, norm_a, eps, AX, AXF, t)
-        elif head:
-            rmsnorm_act_row(x, norm_a, eps, AX, AXF, t)
-        else:
-            for i in range(x.shape[1]):
-                x[t, i] += o[t, i]
-        if head:
-            _quant(cq, ck, cv, AX, AXQ, AXD, AXS, AXF, AXQK, AXDK, AXBK, t)
-
-
 @njit(cache=True, nogil=True, fastmath=_FM)
-def _item(cq, ck, cv, co, cg, cu, cd, s, j0, j1, T, mode, eps, rotate, W, B, A, F):
-    """Stage s's work item: row tiles j0 .. j1-1 of its product for tokens 0 .. T-1 (several tokens: each
-    tile's, then the next tile prefetched behind the first token: the others compute while it streams
-    in), or rows j0 .. j1-1 of its serial step (a function of its own, compiled once per weight codes, so
-    the parallel region around it stays small to compile)."""
+def _item(cq, ck, cv, co, cg, cu, cd, s, j0, j1, mode, eps, rotate, W, B, A, F):
+    """Stage s's work item: row tiles j0 .. j1-1 of its product, or its serial step (a function of its
+    own, compiled once per weight codes, so the parallel region around it stays small to compile)."""
     wq, sq, wk, sk, wv, sv, wo, so, wg, sg, wu, su, wd, sd = W
     att, sign, x, norm_f, norm_a, q, k, v, o, g, u = B
     AX, AXQ, AXD, AXS, AXF, AXQK, AXDK, AXBK = A
@@ -161,86 +130,104 @@ def _item(cq, ck, cv, co, cg, cu, cd, s, j0, j1, T, mode, eps, rotate, W, B, A, 
     literally(cg)
     literally(cu)
     literally(cd)
-    if s % 2 == 0:
-        for t in range(j0, j1):
-            _rows(cq, ck, cv, co, cg, cu, cd, s, t, mode, eps, rotate, B, A, F)
-        return
-    for j in range(j0, j1):
-        for t in range(T):
-            if t == 1 and j + 1 < j1:
-                _warm_item(s, j + 1, W)
-            if s == 1:
-                _tile(co, wo, so, j, t, AXQ, AXD, AXS, AXQK, AXDK, AXBK, o)
-            elif s == 3:
-                if j < wg.shape[0]:
-                    _tile(cg, wg, sg, j, t, AXQ, AXD, AXS, AXQK, AXDK, AXBK, g)
-                else:
-                    _tile(cu, wu, su, j - wg.shape[0], t, AXQ, AXD, AXS, AXQK, AXDK, AXBK, u)
-            elif s == 5:
-                _tile(cd, wd, sd, j, t, FXQ, FXD, FXS, FXQK, FXDK, FXBK, o)
-            elif j < wq.shape[0]:
-                _tile(cq, wq, sq, j, t, AXQ, AXD, AXS, AXQK, AXDK, AXBK, q)
-            elif j < wq.shape[0] + wk.shape[0]:
-                _tile(ck, wk, sk, j - wq.shape[0], t, AXQ, AXD, AXS, AXQK, AXDK, AXBK, k)
+    if s == 0:
+        attn_out_act_row(att, sign, rotate, AX, AXF, _I0)
+        _quant(co, co, co, AX, AXQ, AXD, AXS, AXF, AXQK, AXDK, AXBK)
+    elif s == 1:
+        for j in range(j0, j1):
+            _tile(co, wo, so, j, AXQ, AXD, AXS, AXQK, AXDK, AXBK, o)
+    elif s == 2:
+        add_rmsnorm_act_row(x, o, norm_f, eps, AX, AXF, _I0)
+        _quant(cg, cu, cu, AX, AXQ, AXD, AXS, AXF, AXQK, AXDK, AXBK)
+    elif s == 3:
+        for j in range(j0, j1):
+            if j < wg.shape[0]:
+                _tile(cg, wg, sg, j, AXQ, AXD, AXS, AXQK, AXDK, AXBK, g)
             else:
-                _tile(cv, wv, sv, j - wq.shape[0] - wk.shape[0], t, AXQ, AXD, AXS, AXQK, AXDK, AXBK, v)
+                _tile(cu, wu, su, j - wg.shape[0], AXQ, AXD, AXS, AXQK, AXDK, AXBK, u)
+    elif s == 4:
+        swiglu_act_row(g, u, FX, FXF, _I0)
+        _quant(cd, cd, cd, FX, FXQ, FXD, FXS, FXF, FXQK, FXDK, FXBK)
+    elif s == 5:
+        for j in range(j0, j1):
+            _tile(cd, wd, sd, j, FXQ, FXD, FXS, FXQK, FXDK, FXBK, o)
+    elif s == 6:
+        tail = (mode & TAIL) != 0
+        head = (mode & HEAD) != 0
+        if tail and head:
+            add_rmsnorm_act_row(x, o, norm_a, eps, AX, AXF, _I0)
+        elif head:
+            rmsnorm_act_row(x, norm_a, eps, AX, AXF, _I0)
+        else:
+            add_inplace(x, o)
+        if head:
+            _quant(cq, ck, cv, AX, AXQ, AXD, AXS, AXF, AXQK, AXDK, AXBK)
+    else:
+        for j in range(j0, j1):
+            if j < wq.shape[0]:
+                _tile(cq, wq, sq, j, AXQ, AXD, AXS, AXQK, AXDK, AXBK, q)
+            elif j < wq.shape[0] + wk.shape[0]:
+                _tile(ck, wk, sk, j - wq.shape[0], AXQ, AXD, AXS, AXQK, AXDK, AXBK, k)
+            else:
+                _tile(cv, wv, sv, j - wq.shape[0] - wk.shape[0], AXQ, AXD, AXS, AXQK, AXDK, AXBK, v)
 
 
 @njit(cache=True, nogil=True, fastmath=_FM)
-def _attn(s, j0, j1, rotate, ns_k, ns_v, li, smooth, K, GA):
-    """Stage s (8-10) of layer l+1's attention for a decode group (KVCache.decode_group: row r of the
-    step is its sequence's token at pos[r]): the functions, with the arguments, that KVCache's
-    append_seqs / attend_seqs run (ops.qkv_prep_seq_row, kvquant's row append, attention's work item
-    and merge): stage 8's items and stage 10's are rows, stage 9's the group's attention items."""
-    q, k, v, q4, att4, kpool, vpool, kres, cos, sin, sign, kx, kcos, ksin, km, qm = K
-    pos, meta, items, pts, sinks = GA.pos, GA.meta, GA.items, GA.pts, GA.sinks
-    shift, scale, part = GA.shift, GA.scale, GA.part
+def _attn(s, j0, j1, rotate, n_past, chunk, ns_k, ns_v, li, smooth, K, pt, ksink, vsink, shift, scale):
+    """Stage s (8-10) of layer l+1's attention for the token at position n_past (see chain): the same
+    calls, with the same arguments, that Model._layer / KVCache make one by one."""
+    q, k, v, kpool, vpool, kres, vres, cos, sin, sign, part, att, kx, kcos, ksin, km, qm = K
     kcode, kbits, vcode, rcode, Pg, n_rot = km[0], km[1], km[2], km[3], km[4], km[5]
     KVH, H, HD = k.shape[1], q.shape[1], q.shape[2]
     G = H // KVH
+    n_tot = n_past + 1
+    C = (n_tot + chunk - 1) // chunk
+    pv = part[:KVH * C * G * (HD + 2)].reshape((1, KVH, C, G, HD + 2))
     if s == 8:
-        for r in range(j0, j1):
-            qkv_prep_seq_row(q, k, v, pos, cos, sin, n_rot, shift, scale, li, smooth, sign, rotate, qm[0], r)
-            for g in range(KVH):
-                _append_seq_row(k, kpool, pts, pos, Pg, kcode, r, g)
-                _append_seq_row(v, vpool, pts, pos, Pg, vcode, r, g)
+        qkv_prep(q, k, v, n_past, cos, sin, n_rot, np.bool_(True), shift[li], scale[li], smooth, sign, rotate, qm[0])
+        for i in range(KVH):
+            _append_row(k, kpool, pt, n_past, Pg, kcode, i)
+        for i in range(KVH):
+            _append_row(v, vpool, pt, n_past, Pg, vcode, i)
     elif s == 9:
-        for i in range(j0, j1):
-            _seq_item(q4, kpool, vpool, kres, kres, sinks, li, ns_k, ns_v, pts, meta, items, Pg, kcode, kbits, vcode,
-                      rcode, part, kx, kcos, ksin, np.int64(i), KVH, G, HD)
+        for it in range(j0, j1):           # attend's work item it (one query block): KV head, key chunk
+            c = it % C
+            g = it // C
+            a0 = c * chunk
+            _att_item(q, kpool, vpool, kres, vres, ksink, vsink, pt, n_past, ns_k, ns_v, n_tot, n_tot, _I0, _I0,
+                      Pg, kcode, kbits, vcode, rcode, g, _I0, np.int64(1), a0, min(a0 + chunk, n_tot), pv, c, kx,
+                      kcos, ksin, False)     # False: attend's decode specialization of _item (a literal)
     else:
-        for r in range(j0, j1):
-            merge_seq(part, meta, r, KVH, G, HD, att4)
+        merge_row(pv, C, G, _I0, att)
 
 
 @njit(cache=True, nogil=True)
-def _plan(mode, W, split, n_att, T):
-    """chain's work items: per stage its row tiles nt (a serial stage: its T rows), items n (runs of
-    tiles, at most split a product; a row each in a serial stage), first item, and the nearest non-empty
-    earlier stage (-1: none).  n_att: the attention's work items (the decode group's; mode ATTN).
-    Outside the parallel function: its array constructors would each become a parallel loop of their own."""
+def _plan(mode, W, split, n_att):
+    """chain's work items: per stage its row tiles nt (1: a serial stage), items n (runs of tiles, at
+    most split a product), first item, and the nearest non-empty earlier stage (-1: none).  n_att:
+    the attention's work items (KV heads x key chunks; mode ATTN).  Outside the
+    parallel function: its array constructors would each become a parallel loop of their own."""
     wq, wk, wv, wo, wg, wu, wd = W[0], W[2], W[4], W[6], W[8], W[10], W[12]
     tail = (mode & TAIL) != 0
     head = (mode & HEAD) != 0
-    nt = np.zeros(N_STAGES, np.int64)            # row tiles (a serial stage: rows)
+    nt = np.zeros(N_STAGES, np.int64)            # row tiles (1: a serial stage)
     if tail:
-        nt[0] = T
+        nt[0] = 1
         nt[1] = wo.shape[0]
-        nt[2] = T
+        nt[2] = 1
         nt[3] = wg.shape[0] + wu.shape[0]
-        nt[4] = T
+        nt[4] = 1
         nt[5] = wd.shape[0]
-    nt[6] = T
+    nt[6] = 1
     if head:
         nt[7] = wq.shape[0] + wk.shape[0] + wv.shape[0]
         if mode & ATTN:
-            nt[8] = T
+            nt[8] = 1
             nt[9] = n_att
-            nt[10] = T
+            nt[10] = 1
     n = np.zeros(N_STAGES, np.int64)             # items: contiguous runs of tiles (products), else one each
-    runs = split if T == 1 else split * RUNS_T
     for s in range(N_STAGES):
-        n[s] = min(nt[s], runs) if s & 1 and s < 8 else nt[s]      # (T rows: T items)
+        n[s] = min(nt[s], split) if s & 1 and s < 8 else nt[s]
     first = np.zeros(N_STAGES + 1, np.int64)     # first item of each stage
     prev = np.full(N_STAGES, -1, np.int64)       # the nearest non-empty earlier stage
     last = -1
@@ -253,23 +240,22 @@ def _plan(mode, W, split, n_att, T):
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def chain(cq, ck, cv, co, cg, cu, cd, mode, eps, rotate, P, split, T, ns_k, ns_v, li, smooth, GA):
-    """T tokens (rows 0 .. T-1 of every array: a decode step's one-token sequences) through stages 0-7
-    above (mode: TAIL | HEAD bits), c*: the weights'
+def chain(cq, ck, cv, co, cg, cu, cd, mode, eps, rotate, P, split, n_past, chunk, ns_k, ns_v, li, smooth, pt,
+          ksink, vsink, shift, scale):
+    """One token (row 0 of every array) through stages 0-7 above (mode: TAIL | HEAD bits), c*: the weights'
     codes.  W: (wq, sq, wk, sk, wv, sv, wo, so, wg, sg, wu, su, wd, sd): w* a weight's tiles (matmul
-    Weight.qt), s* its scales (Weight.sc; any uint16 4-D array for a K-quant); B: (att (rows, H, HD), sign,
-    x (rows, D), ffn_norm, the next attn_norm, q, k, v, o, g, u: the products' outputs (rows, n));
+    Weight.qt), s* its scales (Weight.sc; any uint16 4-D array for a K-quant); B: (att (1, H, HD), sign,
+    x (1, D), ffn_norm, the next attn_norm, q, k, v, o, g, u: the products' outputs (1, rows));
     A: the D-wide activation (matmul.Act x, xq, xd, xs, xf, xqk, xdk, xbk), F: the FF-wide one (W, B, A, F
     and sync are the fields of P, a ChainArgs: one object to unbox per call, not ~45 arrays); sync: int64 (SYNC,) scratch: the claim
     counter and each stage's done count, 64 bytes apart; split: the threads (numba.get_num_threads(), passed
     in: calling it here would keep the function out of Numba's cache): items per product, one run of
     row tiles each (a run keeps the tiles' prefetch-ahead inside the thread that reads them).
-    Mode ATTN, stages 8-10 (P.K: q3, k3, v3, q3 and att3 as (rows, 1, H, HD), the layer's K / V pools, the
-    f16 ring (unread), cos, sin, sign, the no-pre-RoPE kx / cos / sin, int64 (kcode, kbits, vcode, rcode,
-    page tokens, n_rot), float32 (qmul,)): row r is its sequence's token at GA.pos[r], GA a GroupArgs (a
-    KVCache.DecodeGroup's arrays: meta, items, page tables pts, sink rows, key smoothing shift / scale,
-    partials part); ns_k / ns_v: sink rows read; li: the layer's row of sinks / shift / scale; smooth: the
-    smoothing is applied; without ATTN those are not read."""
+    Mode ATTN, stages 8-10 (P.K: q3, k3, v3, the layer's K / V pools, the f16 ring (unread), cos, sin,
+    sign, part (flat), att3, the no-pre-RoPE kx / cos / sin, int64 (kcode, kbits, vcode, rcode, page
+    tokens, n_rot), float32 (qmul,)): the token at n_past (chunk: keys per attention item; ns_k / ns_v
+    sink rows read; li: the row of shift / scale, the sequence's key smoothing (smooth: applied); pt: its
+    page table; ksink / vsink: its sink rows); without ATTN those are not read."""
     literally(cq)
     literally(ck)
     literally(cv)
@@ -278,7 +264,7 @@ def chain(cq, ck, cv, co, cg, cu, cd, mode, eps, rotate, P, split, T, ns_k, ns_v
     literally(cu)
     literally(cd)
     W, B, A, F, K, sync = P.W, P.B, P.A, P.F, P.K, P.sync
-    nt, n, first, prev = _plan(mode, W, split, GA.items.shape[0], T)
+    nt, n, first, prev = _plan(mode, W, split, K[3].shape[0] * ((n_past + chunk) // chunk))
     total = first[N_STAGES]
     for s in range(SYNC):
         sync[s] = 0
@@ -298,9 +284,9 @@ def chain(cq, ck, cv, co, cg, cu, cd, mode, eps, rotate, P, split, T, ns_k, ns_v
                 _warm_item(s, j0, W)
                 wait_until(sync, 8 + 8 * p, n[p])
             if s >= 8:      # through a function pointer: one compiled attention for every chain (bind)
-                P.fn.f(s, j0, j1, rotate, ns_k, ns_v, li, smooth, K, GA)
+                P.fn.f(s, j0, j1, rotate, n_past, chunk, ns_k, ns_v, li, smooth, K, pt, ksink, vsink, shift, scale)
             else:
-                _item(cq, ck, cv, co, cg, cu, cd, s, j0, j1, T, mode, eps, rotate, W, B, A, F)
+                _item(cq, ck, cv, co, cg, cu, cd, s, j0, j1, mode, eps, rotate, W, B, A, F)
             fetch_add(sync, 8 + 8 * s, 1)
 
 
@@ -333,29 +319,6 @@ def _chain_args(W, B, A, F, K, fn, sync):
 
 
 @structref.register
-class GroupArgsType(types.StructRef):
-    def preprocess_fields(self, fields):
-        return tuple((name, types.unliteral(t)) for name, t in fields)
-
-
-class GroupArgs(structref.StructRefProxy):
-    """A decode group's arrays (KVCache.DecodeGroup: pos, meta, items, page tables, sinks, shift, scale,
-    part) in one Numba struct, made once per step: each of a step's chain calls unboxes one object."""
-
-    def __new__(cls, pos, meta, items, pts, sinks, shift, scale, part):
-        return structref.StructRefProxy.__new__(cls, pos, meta, items, pts, sinks, shift, scale, part)
-
-
-structref.define_proxy(GroupArgs, GroupArgsType, ["pos", "meta", "items", "pts", "sinks", "shift", "scale", "part"])
-
-
-@njit(cache=True)
-def group_args(pos, meta, items, pts, sinks, shift, scale, part):
-    """GroupArgs(...) through a cached constructor (the proxy's own compiles in every process)."""
-    return GroupArgs(pos, meta, items, pts, sinks, shift, scale, part)
-
-
-@structref.register
 class AttnFnType(types.StructRef):
     def preprocess_fields(self, fields):
         return tuple((name, types.unliteral(t)) for name, t in fields)
@@ -379,7 +342,7 @@ def _make_fn(f):
 
 
 @njit(cache=True, nogil=True)
-def _attn_none(s, j0, j1, rotate, ns_k, ns_v, li, smooth, K, GA):
+def _attn_none(s, j0, j1, rotate, n_past, chunk, ns_k, ns_v, li, smooth, K, pt, ksink, vsink, shift, scale):
     """_attn's stand-in (attention_stand_in): its signature, no attention."""
     return
 
@@ -429,38 +392,37 @@ def enabled() -> bool:
 class Chain:
     """chain() bound to one layer boundary: the tail of layer l (wo, w_gate, w_up, w_down, ffn_norm) and
     the head of layer l + 1 (wq, wk, wv, attn_norm), either may be None; arguments fixed at bind.
-    Called for T tokens (rows 0 .. T-1 of the bound arrays) with fa (KVCache.fold_group: ns_k, ns_v, li,
-    smooth, and a decode group's GroupArgs), it runs layer
-    l+1's attention too (mode ATTN); without, it reads idle: arguments of the same types (one compiled
-    chain serves both)."""
+    Called with fa (KVCache.fold_args: n_past, chunk, ns_k, ns_v, li, smooth, pt, ksink, vsink, shift,
+    scale), it runs layer l+1's attention too (mode ATTN); without, it reads idle: arguments of the
+    same types (one compiled chain serves both)."""
 
     __slots__ = ("lits", "args", "idle", "entry")
 
     def __init__(self, lits, args, idle):
         self.lits, self.args, self.idle, self.entry = lits, args, idle, None
 
-    def __call__(self, T: int = 1, fa=None) -> None:
+    def __call__(self, fa=None) -> None:
         mode, eps, rotate, P = self.args
         if fa is None:
             fa = self.idle
         else:
             mode |= ATTN
         if self.entry is None:      # compiles or loads chain for these codes, then keeps its entry point
-            self.entry = M._entry(chain, self.lits, (mode, eps, rotate, P, numba.get_num_threads(), T) + tuple(fa))
-        self.entry(*self.lits, mode, eps, rotate, P, numba.get_num_threads(), T, *fa)
+            self.entry = M._entry(chain, self.lits, (mode, eps, rotate, P, numba.get_num_threads()) + tuple(fa))
+        self.entry(*self.lits, mode, eps, rotate, P, numba.get_num_threads(), *fa)
 
 
 _NO_SC = np.zeros((1, 1, 1, 1), np.uint16)      # a K-quant weight's (unread) scales argument
 
 
 def bind(tail, head, views, act_d, act_ff, sign, rotate: bool, eps: float, kv):
-    """A Chain for up to views' rows of one-token sequences, or None when a weight is not one the chain
-    runs (code).  tail: (wo, w_gate, w_up, w_down, ffn_norm) or None; head: (wq, wk, wv, attn_norm) or
-    None; views: the run state's rows (model.Views: x, q, k, v, o, g, u, att3); act_d, act_ff: matmul.Act
-    of widths D and FF; sign: the rotation signs (rotate: undo it on the attention output).  kv: the head
+    """A Chain for one token, or None when a weight is not one the chain runs (code).  tail: (wo,
+    w_gate, w_up, w_down, ffn_norm) or None; head: (wq, wk, wv, attn_norm) or None; views: the run
+    state's one-token rows (model.Views: x, q, k, v, o, g, u, att3); act_d, act_ff: matmul.Act of
+    widths D and FF; sign: the rotation signs (rotate: undo it on the attention output).  kv: the head
     layer's attention (any layer's where there is no head): (k_pool, v_pool, the f16 ring rows, cos,
-    sin, kx, kx_cos, kx_sin, int64 (kcode, kbits, vcode, rcode, page tokens, n_rot), float32 (qmul,))
-    and the idle per-call tuple (see Chain)."""
+    sin, part (flat), kx, kx_cos, kx_sin, int64 (kcode, kbits, vcode, rcode, page tokens, n_rot),
+    float32 (qmul,)) and the idle per-call tuple (see Chain)."""
     if tail is None and head is None:
         return None
     t = tail if tail is not None else (head[0],) * 4 + (head[3],)
@@ -477,11 +439,8 @@ def bind(tail, head, views, act_d, act_ff, sign, rotate: bool, eps: float, kv):
     B = (v.att3, sign, v.x, t[4], h[3], v.q, v.k, v.v, v.o, v.g, v.u)
     A = (a.x, a.xq, a.xd, a.xs, a.xf, a.xqk, a.xdk, a.xbk)
     F = (f.x, f.xq, f.xd, f.xs, f.xf, f.xqk, f.xdk, f.xbk)
-    (kpool, vpool, kres, cos, sin, kx, kcos, ksin, km, qm), idle = kv
-    H, HD = v.q3.shape[1], v.q3.shape[2]
-    rows = v.q3.shape[0]
-    K = (v.q3, v.k3, v.v3, v.q3.reshape(rows, 1, H, HD), v.att3.reshape(rows, 1, H, HD), kpool, vpool, kres,
-         cos, sin, sign, kx, kcos, ksin, km, qm)
-    fn = attn_fn((8, 0, 1, bool(rotate)) + idle[:4] + (K,) + idle[4:])   # _attn's argument order (idle: fold_group's)
+    (kpool, vpool, kres, cos, sin, part, kx, kcos, ksin, km, qm), idle = kv
+    K = (v.q3, v.k3, v.v3, kpool, vpool, kres, kres, cos, sin, sign, part, v.att3, kx, kcos, ksin, km, qm)
+    fn = attn_fn((8, 0, 1, bool(rotate)) + idle[:6] + (K,) + idle[6:])   # _attn's argument order
     return Chain(codes, (mode, float(eps), bool(rotate),
                          _chain_args(W, B, A, F, K, fn, np.zeros(SYNC, np.int64))), idle)

@@ -190,9 +190,8 @@ class KVCache:
         self._serial_keys = getattr(be.attention, "SERIAL_KEYS", 0)
         self._tmp = be.zeros((KVH, self.P, HD), np.float32)
         self._stage = {}     # "k"|"v" -> f16 rows (KVH, W + T, 2*HD) of a prefill batch and its window
+        self._fold = None    # per layer: its decode attention can run inside the chain (fold_args)
         self._no_sinks = {}  # decode_group's unread rows by batch size
-        self._fold_fixed = None     # fold_group's per-layer constants
-        self._group_ok = None       # decode_group's per-cache conditions (every layer foldable, any quantized)
         self._part_dev = None  # decode_group's device partials, the last shape
 
     def set_k_transform(self, cos, sin, sign) -> None:
@@ -208,7 +207,7 @@ class KVCache:
                 raise PykvError(f"layer {li}: a key transform is needed exactly for klt key types")
         self.k_xf = [None if m is None else tuple(self.be.to_device(np.ascontiguousarray(a, np.float32)) for a in m)
                      for m in maps]
-        self._fold_fixed = self._group_ok = None
+        self._fold = None
 
     def key_xf_id(self) -> str | None:
         """sha256 (16 hex) of the klt key transforms (None without klt layers): a state file's pages
@@ -554,20 +553,16 @@ class KVCache:
         want = max(1, (CHUNKS_PER_THREAD * workers) // KVH)
         return P * max(1, -(-n_tot // (P * want)))
 
-    def fold_static(self, li: int, cos, sin, n_rot: int, qmul):
+    def fold_static(self, li: int, cos, sin, part, n_rot: int, qmul):
         """Layer li's decode-chain attention arguments (kernels.chain.bind's kv): (k_pool, v_pool, the
-        f16 ring rows (unread), the model's RoPE tables cos / sin, kx, kx_cos, kx_sin, int64 (kcode,
-        kbits, vcode, rcode, page tokens, n_rot), float32 (qmul,)), and the chain's idle per-call tuple
-        (fold_group's types, one row; None on a GPU)."""
-        l, KVH, HD, L = self.layers[li], self.cfg.n_kv_heads, self.cfg.head_dim, len(self.layers)
+        f16 ring rows (unread), the model's RoPE tables cos / sin, its part scratch (flat), kx, kx_cos,
+        kx_sin, int64 (kcode, kbits, vcode, rcode, page tokens, n_rot), float32 (qmul,)), and the
+        chain's idle per-call tuple (see fold_args)."""
+        l, KVH, HD = self.layers[li], self.cfg.n_kv_heads, self.cfg.head_dim
         km = np.array([l.k_fmt.code, l.k_bits, l.v_fmt.code, self.F16_CODE, self.P, n_rot], np.int64)
-        idle = None     # a GPU's chain reads none of it
-        if self.be.name == "cpu":
-            idle = (0, 0, 0, False, self.be.chain.group_args(
-                np.zeros(1, np.int64), np.zeros((1, 3), np.int64), np.zeros((1, 2), np.int32),
-                np.zeros((1, 1), np.int32), np.zeros((1, L, 2) + self._dummy_sink.shape, np.uint8),
-                np.zeros((1, L, KVH, HD), np.float32), np.ones((1, L, KVH, HD), np.float32), np.zeros(1, np.float32)))
-        return ((l.k_pool, l.v_pool, self._dummy_res, cos, sin) + tuple(self._no_kx)
+        idle = (0, 1, 0, 0, 0, False, np.zeros(1, np.int32), self._dummy_sink, self._dummy_sink,
+                np.zeros((1, KVH, HD), np.float32), np.ones((1, KVH, HD), np.float32))
+        return ((l.k_pool, l.v_pool, self._dummy_res, cos, sin, part) + tuple(self._no_kx)
                 + (km, np.array([qmul], np.float32))), idle
 
     def _foldable(self, li: int, any_backend: bool = False) -> bool:
@@ -579,22 +574,27 @@ class KVCache:
                 and "kivi" not in (l.k_fmt.kind, l.v_fmt.kind)
                 and not (self.W and (windowed(l.k_fmt) or windowed(l.v_fmt))))
 
-    def fold_group(self, grp: "DecodeGroup | None") -> list:
-        """Per layer, for a decode step of the group's one-token sequences (decode_group; None: there is
-        none): the per-call arguments of a chain that runs the layer's attention (kernels.chain: ns_k,
-        ns_v, li, smooth, the group's arrays as one chain.GroupArgs), or None where append_seqs /
-        attend_seqs (or the per-sequence calls) must run instead: no group, a layer _foldable rules out
-        (the CPU's chain only)."""
-        if grp is None:
-            return [None] * len(self.layers)
-        fixed = self._fold_fixed
-        if fixed is None:       # per layer: (ns_k, ns_v, li, smooth), or None
-            fixed = self._fold_fixed = [
-                (self.n_sink(l.k_fmt, self.NS), self.n_sink(l.v_fmt, self.NS), li, bool(self.k_smooth[li]))
-                if self._foldable(li) else None for li, l in enumerate(self.layers)]
-        ga = (self.be.chain.group_args(grp.pos, grp.meta, grp.items, grp.page_tables, grp.sinks, grp.shift, grp.scale,
-                                       grp.part),)
-        return [None if f is None else f + ga for f in fixed]
+    def fold_args(self, seq: Sequence, chunk: int) -> list:
+        """Per layer, for the decode step of seq's next token: the per-call arguments of a chain that
+        runs the layer's attention (kernels.chain: n_past, chunk, ns_k, ns_v, li, smooth, page table,
+        K / V sink rows, key shift, key scale), or None where append / attend must run here instead:
+        a layer _foldable rules out, the sequence's first token (its keys fix the smoothing), a token
+        that lands in the f16 sink rows, a capture in progress."""
+        n_past, L = seq.n_tokens, len(self.layers)
+        fold = self._fold
+        if fold is None:
+            fold = self._fold = [self._foldable(li) for li in range(L)]
+        if self.capture is not None or n_past == 0:
+            return [None] * L
+        out = []
+        for li, l in enumerate(self.layers):
+            kq, vq = l.k_fmt.kind != "float", l.v_fmt.kind != "float"
+            if not fold[li] or ((kq or vq) and n_past < self.NS):
+                out.append(None)
+                continue
+            out.append((n_past, chunk, self.NS if kq else 0, self.NS if vq else 0, li, self.k_smooth[li],
+                        seq.pt_dev, self.sink(seq, li, "k"), self.sink(seq, li, "v"), seq.k_shift, seq.k_scale))
+        return out
 
     def attend(self, li: int, seq: Sequence, q: np.ndarray, n_past: int, chunk: int, part: np.ndarray,
                out: np.ndarray) -> None:
@@ -620,13 +620,9 @@ class KVCache:
         the per-sequence path: a layer _foldable rules out, a capture, a sequence's first token or one
         that lands in the f16 sink rows."""
         L, be = len(self.layers), self.be
-        ok = self._group_ok
-        if ok is None:
-            ok = self._group_ok = (all(self._foldable(li, True) for li in range(L)),
-                                   any(f.kind != "float" for l in self.layers for f in (l.k_fmt, l.v_fmt)))
-        if self.capture is not None or not ok[0]:
+        if self.capture is not None or not all(self._foldable(li, True) for li in range(L)):
             return None
-        quant = ok[1]
+        quant = any(f.kind != "float" for l in self.layers for f in (l.k_fmt, l.v_fmt))
         if any(s.n_tokens == 0 or (quant and s.n_tokens < self.NS) for s in seqs):
             return None
         KVH, HD, G = self.cfg.n_kv_heads, self.cfg.head_dim, self.cfg.n_heads // self.cfg.n_kv_heads
@@ -651,10 +647,10 @@ class KVCache:
                 self._part_dev = be.zeros(shape, np.float32)
             part = self._part_dev
         def stack(arrays):      # one (S, ...) array where the kernels run
-            if len(arrays) == 1:    # the array itself, as (1, ...): no copies
-                return arrays[0].reshape((1,) + tuple(arrays[0].shape))
             if be.name == "cpu":
                 return np.stack(arrays)
+            if len(arrays) == 1:    # the device array itself, as (1, ...): no copies
+                return arrays[0].reshape((1,) + tuple(arrays[0].shape))
             return be.to_device(np.stack([be.to_host(a) for a in arrays]))
 
         if quant:

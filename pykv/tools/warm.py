@@ -126,7 +126,7 @@ def main(argv=None) -> int:
     from pykv.api.kv_plan import load_planned
     model = load_planned(spec["path"], n_ctx=256, threads=1, **spec["kw"])
     seq = model.new_sequence()
-    # the caller's steps follow its prompt: they run the folded decode (KVCache.fold_group), which a
+    # the caller's steps follow its prompt: they run the folded decode (KVCache.fold_args), which a
     # sequence's first token and tokens in the f16 sink rows do not (they would compile the prompt's
     # attend, append_rows and _item's prefill specialization here too); so start past them,
     # on zero K/V rows (the pools start zeroed; identity key smoothing)

@@ -7,7 +7,6 @@ from gguf import GGMLQuantizationType as T
 from numba import njit, prange
 
 import pykv
-from pykv.kernels import chain
 from pykv.kernels import matmul as mm
 from pykv.kernels.sync import fetch_add, load_acquire
 from tests.reference import write_tiny_gguf
@@ -34,22 +33,22 @@ def tiny(request, tmp_path_factory):
 
 def _decode(m, ids, chains: bool, fold: bool = True):
     """Logits of a 3-token prefill, then one token a step: through the chains (fold: with the layers'
-    attention inside them, KVCache.fold_group) or the separate calls.  Returns them and how many layer
+    attention inside them, KVCache.fold_args) or the separate calls.  Returns them and how many layer
     steps ran their attention in a chain."""
     m._chains = None if chains else False       # False: Model._decode_chains answers None
     seq = m.new_sequence()
-    f0, n = m.cache.fold_group, [0]
+    f0, n = m.cache.fold_args, [0]
 
-    def counted(grp):
-        a = f0(grp) if fold else [None] * m.config.n_layers
+    def counted(seq, chunk):
+        a = f0(seq, chunk) if fold else [None] * m.config.n_layers
         n[0] += sum(x is not None for x in a)
         return a
-    m.cache.fold_group = counted
+    m.cache.fold_args = counted
     try:
         out = [m.eval(seq, ids[:3])]                 # a prefill, then one token a step
         out += [m.eval(seq, [i]) for i in ids[3:]]
     finally:
-        del m.cache.fold_group
+        del m.cache.fold_args
     return np.concatenate(out), n[0]
 
 
@@ -132,59 +131,19 @@ def test_fetch_add_is_atomic_across_threads():
 @pytest.mark.parametrize("opts,folds", [({}, True), ({"kv_type_k": "kivi4", "kv_type_v": "kivi4"}, False),
                                         ({"kv_type_k": "q8_0", "kv_type_v": "q8_0", "kv_window": 8}, False),
                                         ({"kv_type_k": "q8_0", "kv_type_v": "q8_0", "kv_prerope": True}, False)])
-def test_fold_group_only_where_the_chain_covers_the_layer(tiny, opts, folds):
+def test_fold_args_only_where_the_chain_covers_the_layer(tiny, opts, folds):
     """The chain runs a layer's attention only for caches whose decode append and reads it does the same
-    way (KVCache.decode_group, fold_group): not a KIVI ring, not an f16 window, not pre-RoPE keys; never a
-    sequence's first token, a sink row's token or during a key capture."""
+    way (KVCache.fold_args): not a KIVI ring, not an f16 window, not pre-RoPE keys; never a sequence's
+    first token, a sink row's token or during a key capture."""
     name, path = tiny
     m = pykv.load(path, n_ctx=64, **opts)
     L, c = m.config.n_layers, m.cache
     seq = m.new_sequence()
-    assert c.decode_group([seq], 2) is None        # the first token fixes the key smoothing
-    assert c.fold_group(None) == [None] * L
+    assert c.fold_args(seq, 32) == [None] * L        # the first token fixes the key smoothing
     m.eval(seq, [5, 6, 7, 8, 9, 10])
-    grp = c.decode_group([seq], 2)
-    assert (grp is not None) == folds
-    fa = c.fold_group(grp)
+    fa = c.fold_args(seq, 32)
     assert [a is not None for a in fa] == [folds] * L
     if folds:
-        ga = fa[1][4]           # the group's arrays, one chain.GroupArgs for every layer's call
-        assert fa[1][:3] == (0, 0, 1) and all(f[4] is ga for f in fa) and list(grp.pos) == [6]
-        assert np.shares_memory(grp.page_tables, seq.pt_dev)       # one sequence: its own page table, no copy
-        assert tuple(grp.meta[0, :2]) == (6, c.chunk_for(7, 1, 2))
+        assert fa[1][:5] == (6, 32, 0, 0, 1) and fa[1][6] is seq.pt_dev
         c.capture = object()
-        assert c.decode_group([seq], 2) is None
-
-
-def test_batched_step_runs_the_chains_with_every_row(tiny):
-    """A step of one-token sequences (Decoder.step) is the chains over all its rows, the attention of
-    every layer inside them; each sequence gets the logits of its own one-token step."""
-    name, path = tiny
-    m = pykv.load(path, n_ctx=64, max_seqs=3, kv_type_k="q4_0", kv_type_v="q4_0")
-    prompts = [[5, 77, 3, 260, 261, 9], [140, 33, 2, 250, 1, 17, 8, 99], [12, 13, 14, 15, 16, 17, 18]]
-    seqs = [m.cache.new_sequence() for _ in prompts]
-    for s, p in zip(seqs, prompts):
-        m.eval(s, p)
-    calls = []
-    chained = m._decode_chains() is not None
-    f0 = chain.Chain.__call__
-
-    def counted(self, T=1, fa=None):
-        calls.append((T, fa is not None))
-        return f0(self, T, fa)
-    chain.Chain.__call__ = counted
-    try:
-        got = m.step([(s, [7 + i]) for i, s in enumerate(seqs)])
-    finally:
-        chain.Chain.__call__ = f0
-    assert chained == (name != "f16")
-    L = m.config.n_layers
-    if name == "f16":            # no chain for float weights: the separate calls
-        assert calls == []
-    else:
-        assert calls == [(3, True)] * L + [(3, False)]     # the last chain has no next layer's attention
-    ones = [m.cache.new_sequence() for _ in prompts]
-    for i, (s, p) in enumerate(zip(ones, prompts)):
-        m.eval(s, p)
-        want = m.step([(s, [7 + i])])
-        np.testing.assert_array_equal(got[i], want[0])
+        assert c.fold_args(seq, 32) == [None] * L

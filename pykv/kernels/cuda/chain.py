@@ -169,22 +169,16 @@ def enabled() -> bool:
     return os.environ.get("PYKV_CUDA_FUSE", "1") != "0"
 
 
-def group_args(pos, meta, items, pts, sinks, shift, scale, part):
-    """The CPU chain's GroupArgs (a decode group's arrays for its attention stages); the GPU's chain runs no
-    attention (the cache does), so the arrays as a tuple, never read."""
-    return (pos, meta, items, pts, sinks, shift, scale, part)
-
-
 class Chain:
     """The four launches of one layer boundary, arguments fixed at bind; called with the CPU chain's
-    arguments (T: one token here; fa: ignored, the cache runs the attention)."""
+    fold argument, which is ignored (the cache runs the attention)."""
 
     __slots__ = ("calls",)
 
     def __init__(self, calls):
         self.calls = calls
 
-    def __call__(self, T: int = 1, fa=None) -> None:
+    def __call__(self, fa=None) -> None:
         for k, cfg, args in self.calls:
             k[cfg](*args)
 
