@@ -36,8 +36,8 @@ def main(argv=None) -> int:
     S = max(1, a.seqs)
     n_ctx = a.depth + 3 * S + 2 * a.steps * (a.rounds + 1) + 16      # the warm-up steps too
     d = Decoder(a.model, n_ctx=n_ctx, max_seqs=max(S, 2), threads=a.threads, kv_type_k=a.ctk, kv_type_v=a.ctv)
-    print(f"host: {cpu_model()}, pykv class {ISA}, {os.cpu_count()} CPUs; {os.path.basename(d.path)}, K/V {a.ctk}/{a.ctv}, "
-          f"{S} sequences from depth {a.depth}", flush=True)
+    print(f"host: {cpu_model()}, pykv class {ISA}, {os.cpu_count()} CPUs; {os.path.basename(d.path)}, "
+          f"K/V {a.ctk}/{a.ctv}, {S} sequences from depth {a.depth}", flush=True)
     rng = np.random.default_rng(0)
     seqs = [d.cache.new_sequence() for _ in range(S)]
     for i, s in enumerate(seqs):
