@@ -21,9 +21,10 @@ the int8 keys with the query rows' int16 form (_quant_q16, once per work item), 
 row's int8 values, made float once, to the G rows with weight p * d (the block scale folded in).
 
 Partials (m, l, acc) go to `part`; a second pass merges the chunks with log-sum-exp weights.
-Each work item allocates its few small tiles (np.empty, ~10 KB) rather than taking slices of one
-preallocated per-thread buffer: LLVM cannot tell views of one buffer apart, so the tile loops would get
-alias checks.
+Each work item's few small tiles (~10 KB) live in its own stack frame (simd.stack_array), each its own
+slot: no malloc / free per item, and LLVM knows they alias nothing (views of one shared buffer would
+get alias checks in the tile loops).  Blocks too big for the slots (a prefill's many rows, head_dim
+over S_HD) take np.empty instead.
 f16 (the residual rows, f16 caches and every f16 block scale) is decoded with the hardware half ->
 float conversion (`fpext half`, vcvtph2ps on x86), which vectorizes; the cache itself is never
 dequantized to memory beyond one tile.
@@ -54,7 +55,7 @@ from pykv.kernels import folder_lock
 from pykv.kernels.blocks import deq_kivi_k_rows, deq_rows
 from pykv.kernels.kvdot import UNIT, accum_q8_0_1, accum_q8_0_3, scores_q8_0_1, scores_q8_0_3
 from pykv.kernels.ops import _fwht_vec, _rope_vec, exp_neg
-from pykv.kernels.simd import bits_f32, gemm_tile, prefetch
+from pykv.kernels.simd import bits_f32, gemm_tile, prefetch, stack_array
 
 TILE = 32          # keys per segment (the f32 K and V tiles: TILE x HD floats each)
 PF_AHEAD = 2       # segments ahead whose pool rows are prefetched
@@ -62,6 +63,16 @@ QBLOCK = 8         # query tokens per work item in prefill
 _Z = np.int64(0)    # a constant int64 argument (a literal 0 would compile a second _item / merge_row)
 SERIAL_KEYS = 384  # decode steps with at most this many (keys x KV heads) run on the calling thread
 _FM = {"reassoc", "contract", "nsz", "arcp"}   # no nnan / ninf: -inf is a real state here
+S_ROWS = 16        # a work item's scratch is in its stack frame up to S_ROWS query rows and head_dim S_HD
+S_HD = 128
+CAP_Q = S_ROWS * S_HD   # (the stack arrays' capacities: literal constants)
+CAP_T = TILE * S_HD
+CAP_S = S_ROWS * TILE
+CAP_D = S_ROWS * S_HD // 32
+_f1 = stack_array(types.float32, 1)
+_f2 = stack_array(types.float32, 2)
+_i1 = stack_array(types.int64, 1)
+_h2 = stack_array(types.int16, 2)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -329,23 +340,32 @@ def _item(q, kpool, vpool, kres, vres, ksink, vsink, page_table, n_past, ns_k, n
     G = H // KVH
     TB = t1 - t0
     R = TB * G
-    qb = np.empty((R, HD), np.float32)
+    # scratch in the stack frame where it fits (a decode item: no malloc / free, and the optimizer knows
+    # the tiles alias nothing), else on the heap (a prefill's bigger blocks)
+    qb = _f2(CAP_Q, R, HD) if R * HD <= CAP_Q else np.empty((R, HD), np.float32)
     gm = mt and R >= 8 and HD % 16 == 0 and vcode != CODE_Q8_0 and wk == 0 and wv == 0
     Rp = (R + 7) // 8 * 8 if gm else 0
-    qbT = np.zeros((HD, Rp), np.float32)        # the query rows transposed, zero past R
-    sT = np.empty((TILE, Rp), np.float32)
-    acc = np.zeros((max(R, Rp), HD), np.float32)     # rows R.. (and s's): the micro-tiles' padding, zero
-    mrow = np.full(R, -np.inf, np.float32)
-    lrow = np.zeros(R, np.float32)
-    lim = np.empty(R, np.int64)          # row x sees keys j < lim[x]
-    s = np.empty((max(R, Rp), TILE), np.float32)
+    qbT = np.zeros((HD, Rp), np.float32) if Rp > 0 else _f2(1, HD, 0)  # the query rows transposed, zero past R
+    sT = np.empty((TILE, Rp), np.float32) if Rp > 0 else _f2(1, TILE, 0)
+    R2 = max(R, Rp)
+    acc = _f2(CAP_Q, R2, HD) if R2 * HD <= CAP_Q else np.empty((R2, HD), np.float32)
+    acc[:] = 0.0                         # rows R.. (and s's): the micro-tiles' padding, zero
+    mrow = _f1(S_ROWS, R) if R <= S_ROWS else np.empty(R, np.float32)
+    mrow[:] = -np.inf
+    lrow = _f1(S_ROWS, R) if R <= S_ROWS else np.empty(R, np.float32)
+    lrow[:] = 0.0
+    lim = _i1(S_ROWS, R) if R <= S_ROWS else np.empty(R, np.int64)          # row x sees keys j < lim[x]
+    s = _f2(CAP_S, R2, TILE) if R2 <= S_ROWS else np.empty((R2, TILE), np.float32)
     s[R:] = 0.0
-    kt = np.empty((TILE, HD), np.float32)
-    vt = np.empty((TILE, HD), np.float32)
-    kt2 = np.empty((TILE, HD), np.float32)     # the f16 rows of a segment the rows disagree on
-    vt2 = np.empty((TILE, HD), np.float32)
-    dk = np.empty(HD, np.float32)
-    mk = np.empty(HD, np.float32)
+    small = HD <= S_HD
+    kt = _f2(CAP_T, TILE, HD) if small else np.empty((TILE, HD), np.float32)
+    vt = _f2(CAP_T, TILE, HD) if small else np.empty((TILE, HD), np.float32)
+    win = wk > 0 or wv > 0                      # the f16 rows of a segment the rows disagree on
+    nw = TILE if win else 0
+    kt2 = _f2(CAP_T, nw, HD) if small else np.empty((nw, HD), np.float32)
+    vt2 = _f2(CAP_T, nw, HD) if small else np.empty((nw, HD), np.float32)
+    dk = _f1(S_HD, HD) if small else np.empty(HD, np.float32)
+    mk = _f1(S_HD, HD) if small else np.empty(HD, np.float32)
     for tb in range(TB):
         for gi in range(G):
             x = tb * G + gi
@@ -357,8 +377,9 @@ def _item(q, kpool, vpool, kres, vres, ksink, vsink, page_table, n_past, ns_k, n
     # q8_0 pool rows are read in place by kvdot (see the module doc); pre-RoPE keys need a K tile
     kq8 = kcode == CODE_Q8_0 and kbits == 0 and kx.shape[0] == 0 and HD % UNIT == 0
     vq8 = vcode == CODE_Q8_0
-    xq = np.empty((R, HD if kq8 else 0), np.int16)
-    xd = np.empty((R, HD // 32 if kq8 else 0), np.float32)
+    nx = HD if kq8 else 0
+    xq = _h2(CAP_Q, R, nx) if R * nx <= CAP_Q else np.empty((R, nx), np.int16)
+    xd = _f2(CAP_D, R, nx // 32) if R * nx <= CAP_Q else np.empty((R, nx // 32), np.float32)
     _quant_q16(qb, xq, xd)
     rbk = kpool.shape[2] // P
     rbv = vpool.shape[2] // P

@@ -68,7 +68,7 @@ from pykv.files.formats import (CODE_BF16, CODE_F16, CODE_F32, CODE_FP8_E4M3, CO
 from pykv.kernels.blocks import (IQ4NL_F, NL_BYTES, NL_SCALE, TC_ROW, deq_rows, nl_e8, nl_level, nl_offset,
                                  nl_width, rd_f16, tc_len)
 from pykv.kernels.ops import PAR_T, qkv_prep_seqs
-from pykv.kernels.simd import bits_f32, f32_bits, floorf, fmul_rn, h2f
+from pykv.kernels.simd import bits_f32, f16_store32, f32_bits, floorf, fmul_rn, h2f
 from pykv.kernels.trellis import TC_PERM, tc_viterbi
 
 PAR_SEQ_VALUES = 1 << 15   # append_seqs: K values per step from which its rows run in parallel
@@ -656,8 +656,9 @@ def quantize_block(code, x, b, dst):
         for j in range(32 * b, min(32 * b + 32, x.shape[0])):
             wr_f32(dst, 4 * j, x[j])
     elif code == CODE_F16:
-        for j in range(32 * b, min(32 * b + 32, x.shape[0])):
-            wr_u16(dst, 2 * j, f32_to_f16_bits(x[j]))
+        if not (32 * b + 32 <= x.shape[0] and f16_store32(x, 32 * b, dst, 64 * b)):
+            for j in range(32 * b, min(32 * b + 32, x.shape[0])):
+                wr_u16(dst, 2 * j, f32_to_f16_bits(x[j]))
     elif code == CODE_BF16:
         for j in range(32 * b, min(32 * b + 32, x.shape[0])):
             wr_u16(dst, 2 * j, bf16_bits(x[j]))
@@ -819,6 +820,7 @@ def append_seqs(k, v, kpool, vpool, page_tables, pos, P, kcode, vcode):
             _append_seq_row(v, vpool, page_tables, pos, P, vcode, s, g)
 
 
+@njit(cache=True, nogil=True)
 def prep_append_seqs(q, k, v, pos, cos, sin, n_rot, shift, scale, li, smooth, sign, rotate, qmul, kpool, vpool,
                      page_tables, P, kcode, vcode):
     """ops.qkv_prep_seqs(q, k, v, pos, ... qmul), then append_seqs(k, v, kpool, ... vcode): a decode

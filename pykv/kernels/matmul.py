@@ -60,7 +60,7 @@ from pykv.kernels.mm_tiles import (_R_Q4, _R_Q8, _TILE_MAX, _call_kind, _entry, 
                                    _mm_tile_q4, _mm_tile_q4_3, _mm_tile_q8, _repack_tiles_rows, _repack_ktile_rows,
                                    _KIND_RAW, _KIND_TILE_Q4, _KIND_TILE_Q8, _KIND_ITILE_Q4, _KIND_ITILE_Q8,
                                    _KIND_ITILE_Q5, _KIND_ITILE_Q40, _KIND_ITILE_Q50, _KIND_ITILE_IQ4, _KIND_KTILE,
-                                   _ITILE_KINDS, _INT_KINDS, _TOK_NT, _ITILE_FMT, _KTILE_FMT, _K_F16)
+                                   _ITILE_KINDS, _INT_KINDS, _TOK_NT, _TOK_NT_Q, _ITILE_FMT, _KTILE_FMT, _K_F16)
 from pykv.kernels.mm_blas import _BLAS_MIN_T, _matmul_blas
 
 __all__ = ["Weight", "Act", "prepare_weight", "matmul", "matmul_fused", "fuse", "Fused", "bind", "Bound", "get_rows", "set_exact", "quantize_act_q8",

@@ -8,7 +8,7 @@ from gguf import GGMLQuantizationType as _GT
 from pykv.files.formats import KV_FORMATS
 from pykv.kernels.blocks import KVALUES_IQ4NL, deq_rows, rd_f16
 from pykv.kernels.ops import PAR_T
-from pykv.kernels.simd import h2f
+from pykv.kernels.simd import bits_f32, f32_bits, h2f
 
 # fast-math without nnan/ninf (keeps inf/nan semantics honest) and without denormal flushing
 _FM = {"contract", "reassoc", "nsz", "arcp"}
@@ -271,26 +271,27 @@ def quantize_act_q8(x, T, XQ, XD, XS, XF):
 
 @njit(cache=True, nogil=True, fastmath=_FM, inline="always")
 def _q8_row(x, t, XQ, XD, XS, XF):
-    """quantize_act_q8 of token t."""
+    """quantize_act_q8 of token t.  The block's max |x| is taken on the float bits as integers (a
+    vectorized integer max; exact for every non-NaN value, NaN counts as 0 as a float compare would),
+    in the loop of the block sum."""
     for b in range(XD.shape[1]):
         sf = np.float32(0.0)
+        am = np.uint32(0)
         for j in range(32):
-            sf += x[t, 32 * b + j]
+            v = x[t, 32 * b + j]
+            sf += v
+            a = np.uint32(f32_bits(v) & np.uint32(0x7FFFFFFF))
+            a = np.uint32(a if a <= np.uint32(0x7F800000) else np.uint32(0))
+            am = np.uint32(max(am, a))
         XF[t, b] = sf
-        amax = np.float32(0.0)
-        for j in range(32):
-            a = abs(x[t, 32 * b + j])
-            if a > amax:
-                amax = a
-        d = amax / np.float32(127.0)
+        d = bits_f32(np.uint32(am)) / np.float32(127.0)
         idd = np.float32(1.0) / d if d != 0 else np.float32(0.0)
-        s = 0
+        s = np.int32(0)
         for j in range(32):
             v = x[t, 32 * b + j] * idd
             # roundf: half away from zero
             q = np.int32(np.floor(abs(v) + np.float32(0.5)))
-            if v < 0:
-                q = -q
+            q = -q if v < 0 else q
             XQ[t, 32 * b + j] = q
             s += q
         XD[t, b] = d
@@ -338,7 +339,7 @@ def _q8k_row(x, t, XQ, XD, XB):
         XD[t, b] = np.float32(1.0) / iscale
 
 
-_PAR_QUANT_T = 8    # a kernel quantizes its activations in a parallel region from this many tokens
+_PAR_QUANT_T = 32   # a kernel quantizes its activations in a parallel region from this many tokens
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=_FM, inline="always")

@@ -6,7 +6,8 @@ from numba import literally, njit, prange, types
 from numba._dispatcher import compute_fingerprint
 from pykv.kernels.simd import h2f
 import numba
-from pykv.kernels.tiles import KBYTES, KTILE_ROWS, dot_ktile_by, dot_tile_by, f16_bits, lanes, repack_ktile, repack_ktile_nb
+from pykv.kernels.tiles import (KBYTES, KTILE_ROWS, TOKEN_NT, dot_ktile_by, dot_tile_by, f16_bits, lanes, repack_ktile,
+                                 repack_ktile_nb)
 from pykv.kernels.mm_raw import (IQ4_NL, Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, _BLOCK, _FM,
                                  _quantize_tokens)
 
@@ -22,12 +23,13 @@ _KIND_ITILE_IQ4 = 9  # integer-dot tiles, IQ4_NL (d only, nibbles through llama.
 _KIND_KTILE = 5      # integer-dot K-quant tiles, Q2_K ... Q6_K (q8_K activations)
 _ITILE_KINDS = (_KIND_ITILE_Q4, _KIND_ITILE_Q5, _KIND_ITILE_Q8, _KIND_ITILE_Q40, _KIND_ITILE_Q50, _KIND_ITILE_IQ4)   # q8_0 activations
 _INT_KINDS = _ITILE_KINDS + (_KIND_KTILE,)
-_TOK_NT = 4         # prefill: tokens per tile call (kernels.tiles.TOKEN_BLOCK: which formats group them)
+_TOK_NT = 4         # prefill: tokens per K tile call (kernels.tiles.TOKEN_BLOCK: which formats group them)
+_TOK_NT_Q = TOKEN_NT   # tokens per Q4 / Q5 / Q8 tile call (kernels.tiles: 8 where KOUTER, else 4)
 # the integer tile dot of a literal _KIND_ITILE_* kind (only the kinds a kernel is called with compile)
 _ITILE_FMT = {_KIND_ITILE_Q4: "q4", _KIND_ITILE_Q5: "q5", _KIND_ITILE_Q8: "q8", _KIND_ITILE_Q40: "q40",
               _KIND_ITILE_Q50: "q50", _KIND_ITILE_IQ4: "iq4"}
 _dot_itile = dot_tile_by(_ITILE_FMT)
-_dot_itile_n = dot_tile_by(_ITILE_FMT, _TOK_NT)
+_dot_itile_n = dot_tile_by(_ITILE_FMT, _TOK_NT_Q)
 _KTILE_FMT = {Q2_K: "q2k", Q3_K: "q3k", Q4_K: "q4k", Q5_K: "q5k", Q6_K: "q6k"}
 _dot_ktile = dot_ktile_by(_KTILE_FMT)
 _dot_ktile_n = dot_ktile_by(_KTILE_FMT, _TOK_NT)
@@ -229,10 +231,10 @@ _ITILE_TB = 16      # prefill: tokens per work item (a tile's weights stay in L1
 
 @njit(cache=True, nogil=True, fastmath=_FM, inline="always")
 def _itile_tokens(kind, qt, sc, XQ, XD, XS, nb, out, r0, R, t, t1):
-    """Tokens t .. t1-1 of one full row tile (its rows r0 .. r0+R of out): _TOK_NT tokens a call (the
+    """Tokens t .. t1-1 of one full row tile (its rows r0 .. r0+R of out): _TOK_NT_Q tokens a call (the
     tile's weights unpacked once for a group where kernels.tiles.TOKEN_BLOCK says so), then one by one."""
-    while t + _TOK_NT <= t1:
-        u = t + _TOK_NT
+    while t + _TOK_NT_Q <= t1:
+        u = t + _TOK_NT_Q
         _dot_itile_n(kind, qt, sc, XQ[t:u], XD[t:u], XS[t:u], nb, out[t:u, r0:r0 + R])
         t = u
     for t in range(t, t1):

@@ -16,6 +16,7 @@ from llvmlite import ir
 from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
+from numba.np.arrayobj import populate_array
 
 I8, I16, I32, I64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
 F16, F32 = ir.HalfType(), ir.FloatType()
@@ -124,6 +125,41 @@ def fmul_rn(typingctx, a, b):
             return builder.fmul(args[0], args[1])
         return types.float32(a, b), codegen
     return None
+
+@intrinsic
+def f16_store32(typingctx, x, xo, dst, do):
+    """Write x[xo:xo + 32] (float32) as 32 IEEE halves at byte do of uint8 dst, rounded to nearest even
+    (LLVM fptrunc: vcvtps2ph, one instruction per 16 values, where the scalar f32_to_f16_bits takes
+    ~20 integer operations a value); True when written.  Returns False and writes nothing when a value
+    is NaN (the scalar path keeps numpy's NaN bits, the hardware sets the quiet bit), when either
+    array is strided, or on a GPU (the caller's scalar path runs then)."""
+    if not (isinstance(x, types.Array) and x.dtype == types.float32 and x.ndim == 1
+            and isinstance(dst, types.Array) and dst.dtype == types.uint8 and dst.ndim == 1
+            and isinstance(xo, types.Integer) and isinstance(do, types.Integer)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        B1 = ir.IntType(1)
+        if _nvptx(builder):
+            return ir.Constant(B1, 0)
+        done = cgutils.alloca_once_value(builder, ir.Constant(B1, 0))
+        xa = context.make_array(sig.args[0])(context, builder, args[0])
+        da = context.make_array(sig.args[2])(context, builder, args[2])
+        xs = cgutils.unpack_tuple(builder, xa.strides, 1)[0]
+        ds = cgutils.unpack_tuple(builder, da.strides, 1)[0]
+        flat = builder.and_(builder.icmp_signed("==", xs, ir.Constant(xs.type, 4)),
+                            builder.icmp_signed("==", ds, ir.Constant(ds.type, 1)))
+        with builder.if_then(flat):
+            v = _load(builder, _ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1]), _vec(F32, 32))
+            nan = builder.bitcast(builder.fcmp_unordered("uno", v, v), I32)
+            with builder.if_then(builder.icmp_unsigned("==", nan, ir.Constant(I32, 0))):
+                h = builder.bitcast(builder.fptrunc(v, _vec(F16, 32)), _vec(I16, 32))
+                p = _ptr(context, builder, sig.args[2], args[2], args[3], sig.args[3])
+                builder.store(h, builder.bitcast(p, _vec(I16, 32).as_pointer()), align=1)
+                builder.store(ir.Constant(B1, 1), done)
+        return builder.load(done)
+    return types.boolean(x, xo, dst, do), codegen
+
 
 def _splat(builder, x, n):
     vt = _vec(x.type, n)
@@ -275,3 +311,52 @@ def gemm_tile(MR, NR, add):
     vector loads of B, MR broadcasts of A and MR * NR / 8 fused multiply-adds (the micro-kernel of a
     BLAS GEMM; generic vector IR, lowered to ymm FMA on x86 with FMA).  No bounds checks."""
     return intrinsic(_gemm_typer(MR, NR, add))
+
+
+def _stack_codegen(dtype, aty):
+    def codegen(context, builder, sig, args):
+        lty = context.get_data_type(dtype)
+        item = context.get_abi_sizeof(lty)
+        n = max(1, int(sig.args[0].literal_value))
+        # in the function's entry block: one slot per call of the function, whatever loop the call sits
+        # in; 64-byte aligned for whole-vector loads
+        with builder.goto_entry_block():
+            buf = builder.alloca(ir.ArrayType(lty, n))
+            buf.align = 64
+        data = builder.bitcast(buf, lty.as_pointer())
+        dims = [context.cast(builder, v, t, types.intp) for v, t in zip(args[1:], sig.args[1:])]
+        strides, acc = [], ir.Constant(dims[0].type, item)
+        for d in reversed(dims):
+            strides.insert(0, acc)
+            acc = builder.mul(acc, d)
+        ary = context.make_array(aty)(context, builder)
+        populate_array(ary, data=data, shape=dims, strides=strides,
+                       itemsize=context.get_constant(types.intp, item), meminfo=None)
+        return ary._getvalue()
+    return codegen
+
+
+def _stack_typer(dtype, ndim):
+    """Typer of stack_array's intrinsic for one dtype and ndim (see stack_array)."""
+    aty = types.Array(dtype, ndim, "C")
+
+    def ok(cap, shape):
+        return isinstance(cap, types.IntegerLiteral) and all(isinstance(n, types.Integer) for n in shape)
+
+    if ndim == 1:
+        def typer(typingctx, cap, n0):
+            return (aty(cap, n0), _stack_codegen(dtype, aty)) if ok(cap, (n0,)) else None
+    else:
+        def typer(typingctx, cap, n0, n1):
+            return (aty(cap, n0, n1), _stack_codegen(dtype, aty)) if ok(cap, (n0, n1)) else None
+    typer.__name__ = f"stack_{dtype}_{ndim}d"
+    return intrinsic(typer)
+
+
+def stack_array(dtype, ndim):
+    """Intrinsic (cap, n0[, n1]) -> an uninitialized C-contiguous array of shape (n0[, n1]) in the calling
+    function's stack frame, room for cap (a literal) elements: the caller checks n0 * n1 <= cap.  Scratch
+    of a kernel's work item without malloc / free, in memory the optimizer knows aliases nothing else
+    (np.empty's blocks come from a call it cannot see through, so loops over several get alias checks).
+    It must not outlive the call: never returned or stored."""
+    return _stack_typer(dtype, ndim)

@@ -201,11 +201,18 @@ def _target_cpu() -> str:
     return llvm.get_host_cpu_name() if name in (None, "host") else name
 
 
-# Prefill: a tile call for nt tokens unpacks each weight vector once for a group of tokens where that was
-# measured to pay (avx2, and the K formats on Intel's AVX-512 cores, where the unpacking costs more than
-# the dot; docs/code-notes.md); other formats and classes run the tokens one after another in the call.
+# Several tokens (prefill, batched decode): a tile call for nt tokens unpacks each weight vector once for a
+# group of tokens where that was measured to pay (avx2; Q4_1 on AMD's AVX-512 cores; the K
+# formats on Intel's, where the unpacking costs more than the dot; docs/code-notes.md); other formats and
+# classes run the tokens one after another in the call.
 TOKEN_BLOCK = {"avx2": ("q40", "q50", "q5", "q2k", "q3k", "q5k", "q6k"),
-               "avx512vnni": () if _target_cpu().startswith("znver") else ("q4k", "q5k", "q6k")}.get(ISA, ())
+               "avx512vnni": ("q4",) if _target_cpu().startswith("znver") else ("q4k", "q5k", "q6k")}.get(ISA, ())
+# A grouped Q4 / Q5 / Q8 tile call on the AVX-512 class runs one row group (L rows) at a time over the
+# blocks, so only that group's sums for the tokens stay in registers (all G groups' sums for 4 tokens and
+# each token's broadcast activations spilled, and measured slower than one token at a time); avx2 keeps
+# the block-by-block order it was measured with.
+KOUTER = ISA == "avx512vnni"
+TOKEN_NT = 8 if KOUTER else 4     # tokens a grouped Q4 / Q5 / Q8 tile call takes (mm_tiles._TOK_NT_Q)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -283,68 +290,83 @@ def _tile_dot(fmt, nt=1):
             vi = _vec(I32, L)
             m15 = ir.Constant(_vec(I8, n4), [15] * n4)
             sh4 = ir.Constant(_vec(I8, n4), [4] * n4)
+            # the 4-byte activation groups in pair order (Q4: low then high nibble columns)
+            offs = [o for jj in range(groups) for o in ((4 * jj, 16 + 4 * jj) if q4 else (4 * jj,))]
+
+            def block(b, ks, ns, xqp, xdp, xap, sums, pf, npass):
+                """Block b's contribution to row groups ks for tokens ns (in pass pf of npass)."""
+                xb = builder.mul(b, _c(32))
+                qb = builder.mul(b, _c(stride * R))
+                _next_tile(builder, pf, b, npass, qtp, builder.mul(nbv, _c(stride * R)), qb, stride * R)
+                _next_tile(builder, pf, b, npass, builder.bitcast(scp, I8.as_pointer()),
+                           builder.mul(nbv, _c(nsc * R * 2)), builder.mul(b, _c(nsc * R * 2)), nsc * R * 2)
+                xdb, xfb, zxs = {}, {}, {}      # per token n
+                for n in ns:
+                    xdv = _ld(builder, xdp[n], b, F32, 4)
+                    xdb[n] = _splat(builder, xdv, L)
+                    xa_n = _ld(builder, xap[n], b, I32, 4)
+                    if hasm:
+                        xfb[n] = _splat(builder, builder.fmul(xdv, builder.sitofp(xa_n, F32)), L)
+                    if z:
+                        zxs[n] = _splat(builder, builder.mul(xa_n, ir.Constant(I32, z)), L)
+                # the activation words once a block, for every row group; KOUTER's several tokens: each
+                # token's at its dot (a broadcast operand of the dot: nt x 8 words would not stay in registers)
+                xs = {n: [_bcast4(builder, xqp[n], builder.add(xb, _c(o))) for o in offs] for n in ns} \
+                    if len(ns) == 1 or not KOUTER else None
+                sb = builder.mul(b, _c(nsc * R))
+                if PF_BYTES:
+                    ahead = -(-PF_BYTES // (stride * R))   # blocks ahead to prefetch (past the tile: the next one's)
+                    for o in range(0, stride * R, 64):
+                        _prefetch(builder, qtp, builder.add(qb, _c(ahead * stride * R + o)), PF_LOCALITY)
+                    _prefetch(builder, builder.bitcast(scp, I8.as_pointer()),
+                              builder.mul(builder.add(b, _c(ahead)), _c(nsc * R * 2)), PF_LOCALITY)
+                for k in ks:
+                    ws = []                # the group's weight values, unpacked once for the tokens ns
+                    if q5:
+                        hw = _ld(builder, qtp, builder.add(qb, _c(4 * R * groups + n4 * k)), vi)
+
+                        def hbit(s):       # bit s of each byte of hw, moved to bit 4
+                            v = builder.and_(builder.lshr(hw, ir.Constant(vi, [s] * L)),
+                                             ir.Constant(vi, [0x01010101] * L))
+                            return _bytes(builder, builder.shl(v, ir.Constant(vi, [4] * L)))
+                    for jj in range(groups):
+                        w = _ld(builder, qtp, builder.add(qb, _c(4 * R * jj + n4 * k)), _vec(I8, n4))
+                        if q4:
+                            lo = builder.and_(w, m15)
+                            hi = builder.and_(builder.lshr(w, sh4), m15)
+                            if q5:
+                                lo = builder.or_(lo, hbit(jj))
+                                hi = builder.or_(hi, hbit(4 + jj))
+                            if nl:
+                                lo, hi = _lut16(builder, lo, KVALUES_IQ4NL), _lut16(builder, hi, KVALUES_IQ4NL)
+                            ws += [lo, hi]
+                        else:
+                            ws.append(w)
+                    d = _halves(builder, scp, builder.add(sb, _c(L * k)))
+                    if hasm:
+                        m = _halves(builder, scp, builder.add(sb, _c(R + L * k)))
+                    for n in ns:
+                        xn = xs[n] if xs is not None else \
+                            [_bcast4(builder, xqp[n], builder.add(xb, _c(o))) for o in offs]
+                        a = _bdot(builder, list(zip(ws, xn)), 31 if q5 else 15, signed=nl or not q4)
+                        if z:
+                            a = builder.sub(a, zxs[n])
+                        s = builder.fadd(builder.load(sums[n][k]),
+                                         builder.fmul(builder.fmul(d, xdb[n]), builder.sitofp(a, _vec(F32, L))))
+                        if hasm:
+                            s = builder.fadd(s, builder.fmul(m, xfb[n]))
+                        builder.store(s, sums[n][k])
+
             for ns, (xqp, xdp, xap, outp), pf in _groups(builder, rows, nt, tb):   # weights unpacked once a pass
                 sums = {n: [cgutils.alloca_once_value(builder, ir.Constant(_vec(F32, L), [0.0] * L))
                             for _ in range(G)] for n in ns}
-                with cgutils.for_range(builder, nbv) as loop:
-                    b = loop.index
-                    xb = builder.mul(b, _c(32))
-                    qb = builder.mul(b, _c(stride * R))
-                    _next_tile(builder, pf, b, nt, qtp, builder.mul(nbv, _c(stride * R)), qb, stride * R)
-                    _next_tile(builder, pf, b, nt, builder.bitcast(scp, I8.as_pointer()),
-                               builder.mul(nbv, _c(nsc * R * 2)), builder.mul(b, _c(nsc * R * 2)), nsc * R * 2)
-                    xs, xdb, xfb, zxs = {}, {}, {}, {}      # per token n
-                    for n in ns:
-                        # the 4-byte activation groups in pair order (Q4: low then high nibble columns)
-                        offs = [o for jj in range(groups) for o in ((4 * jj, 16 + 4 * jj) if q4 else (4 * jj,))]
-                        xs[n] = [_bcast4(builder, xqp[n], builder.add(xb, _c(o))) for o in offs]
-                        xdv = _ld(builder, xdp[n], b, F32, 4)
-                        xdb[n] = _splat(builder, xdv, L)
-                        xa_n = _ld(builder, xap[n], b, I32, 4)
-                        if hasm:
-                            xfb[n] = _splat(builder, builder.fmul(xdv, builder.sitofp(xa_n, F32)), L)
-                        if z:
-                            zxs[n] = _splat(builder, builder.mul(xa_n, ir.Constant(I32, z)), L)
-                    sb = builder.mul(b, _c(nsc * R))
-                    if PF_BYTES:
-                        ahead = -(-PF_BYTES // (stride * R))       # blocks ahead to prefetch (past the tile: the next one's)
-                        for o in range(0, stride * R, 64):
-                            _prefetch(builder, qtp, builder.add(qb, _c(ahead * stride * R + o)), PF_LOCALITY)
-                        _prefetch(builder, builder.bitcast(scp, I8.as_pointer()),
-                                  builder.mul(builder.add(b, _c(ahead)), _c(nsc * R * 2)), PF_LOCALITY)
-                    for k in range(G):
-                        ws = []                # the group's weight values, unpacked once for the tokens ns
-                        if q5:
-                            hw = _ld(builder, qtp, builder.add(qb, _c(4 * R * groups + n4 * k)), vi)
-
-                            def hbit(s):       # bit s of each byte of hw, moved to bit 4
-                                v = builder.and_(builder.lshr(hw, ir.Constant(vi, [s] * L)), ir.Constant(vi, [0x01010101] * L))
-                                return _bytes(builder, builder.shl(v, ir.Constant(vi, [4] * L)))
-                        for jj in range(groups):
-                            w = _ld(builder, qtp, builder.add(qb, _c(4 * R * jj + n4 * k)), _vec(I8, n4))
-                            if q4:
-                                lo = builder.and_(w, m15)
-                                hi = builder.and_(builder.lshr(w, sh4), m15)
-                                if q5:
-                                    lo = builder.or_(lo, hbit(jj))
-                                    hi = builder.or_(hi, hbit(4 + jj))
-                                if nl:
-                                    lo, hi = _lut16(builder, lo, KVALUES_IQ4NL), _lut16(builder, hi, KVALUES_IQ4NL)
-                                ws += [lo, hi]
-                            else:
-                                ws.append(w)
-                        d = _halves(builder, scp, builder.add(sb, _c(L * k)))
-                        if hasm:
-                            m = _halves(builder, scp, builder.add(sb, _c(R + L * k)))
-                        for n in ns:
-                            a = _bdot(builder, list(zip(ws, xs[n])), 31 if q5 else 15, signed=nl or not q4)
-                            if z:
-                                a = builder.sub(a, zxs[n])
-                            s = builder.fadd(builder.load(sums[n][k]),
-                                             builder.fmul(builder.fmul(d, xdb[n]), builder.sitofp(a, _vec(F32, L))))
-                            if hasm:
-                                s = builder.fadd(s, builder.fmul(m, xfb[n]))
-                            builder.store(s, sums[n][k])
+                if len(ns) == 1 or not KOUTER:      # block by block, every row group
+                    with cgutils.for_range(builder, nbv) as loop:
+                        block(loop.index, range(G), ns, xqp, xdp, xap, sums, pf, nt)
+                else:       # several tokens: a row group at a time (only its tokens' sums live in registers),
+                    for k in range(G):      # the later groups prefetching the next tile (_next_tile's passes)
+                        with cgutils.for_range(builder, nbv) as loop:
+                            block(loop.index, (k,), ns, xqp, xdp, xap, sums, _c(k), G)
                 for n in ns:
                     _store_out(builder, outp[n], sums[n])
             return context.get_dummy_value()

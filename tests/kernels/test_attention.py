@@ -508,3 +508,31 @@ def test_attend_from_one_process_and_item_from_another_do_not_crash(tmp_path):
     assert np.array_equal(run(3), want)
     # process 3 loads the attend that process 2 saved: nothing compiled or saved again
     assert {p.name: p.stat().st_mtime_ns for p in folder.glob("attention.attend-*")} == stamps
+
+
+
+def test_stack_scratch_is_separate_and_falls_back_to_the_heap():
+    """simd.stack_array (a work item's scratch in its stack frame): arrays of the asked shape, C-contiguous,
+    none overlapping another, each call a fresh frame; a shape over the capacity takes np.empty."""
+    from numba import types
+    from pykv.kernels.simd import stack_array
+    s2, s1 = stack_array(types.float32, 2), stack_array(types.int64, 1)
+
+    @numba.njit
+    def fill(R, HD, n):
+        a = s2(256, R, HD) if R * HD <= 256 else np.empty((R, HD), np.float32)
+        b = s2(256, R, HD) if R * HD <= 256 else np.empty((R, HD), np.float32)
+        c = s1(16, n)
+        for i in range(R):
+            for j in range(HD):
+                a[i, j] = i * 1000 + j
+                b[i, j] = -1.0
+        for i in range(n):
+            c[i] = 7 * i
+        return a.copy(), b.copy(), c.copy(), a.strides, a.ctypes.data != b.ctypes.data
+
+    for R, HD in ((3, 64), (2, 32), (5, 64)):          # the last: over 256 values, on the heap
+        a, b, c, strides, apart = fill(R, HD, 9)
+        assert apart and strides == (4 * HD, 4) and a.shape == (R, HD)
+        assert np.array_equal(a, np.arange(R)[:, None] * 1000 + np.arange(HD)[None, :])
+        assert np.all(b == -1.0) and np.array_equal(c, 7 * np.arange(9))

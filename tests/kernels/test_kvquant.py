@@ -218,6 +218,21 @@ def test_f16_rounding_exhaustive_sample():
         assert np.array_equal(dst.reshape(-1).view(np.uint16), x.astype(np.float16).view(np.uint16))
 
 
+def test_f16_rows_with_nan_keep_numpy_bits():
+    """Whole 32-value blocks convert with one vector instruction each (simd.f16_store32); a block holding
+    a NaN takes the scalar path instead, whose NaN bits are numpy's (the instruction would set the quiet
+    bit).  Either way the row is numpy's float16, bit for bit."""
+    rng = np.random.default_rng(5)
+    x = (rng.standard_normal(96) * 100).astype(np.float32)
+    nan_bits = np.array([0x7F800001, 0xFFC00123], dtype=np.uint32)     # a signaling NaN, a quiet one
+    x[40:42] = nan_bits.view(np.float32)
+    dst = np.empty(192, dtype=np.uint8)
+    K.quantize_row(F.CODE_F16, x, dst)
+    want = x.astype(np.float16).view(np.uint16)
+    assert want[40] == 0x7C01                      # numpy keeps the signaling NaN signaling
+    assert np.array_equal(dst.view(np.uint16), want)
+
+
 def test_bf16_nan_inf():
     x = np.zeros(64, dtype=np.float32)
     x[:6] = [np.nan, np.inf, -np.inf, 3.3895314e38, -1e-40, 1.00390625]

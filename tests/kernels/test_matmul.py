@@ -242,13 +242,13 @@ INT_TILE_TYPES = (GT.Q4_0, GT.Q4_1, GT.Q5_0, GT.Q5_1, GT.Q8_0, GT.IQ4_NL) + K_TY
 
 @pytest.mark.parametrize("t", INT_TILE_TYPES, ids=lambda t: t.name)
 def test_prefill_token_groups_equal_single_tokens(t, threads):
-    """A prefill through the integer tiles (full tiles take M._TOK_NT tokens a call, the weights unpacked
-    once for them where kernels.tiles.TOKEN_BLOCK says so; the last tokens of a 16-token work item and
+    """A prefill through the integer tiles (full tiles take M._TOK_NT (K tiles) / M._TOK_NT_Q tokens a call,
+    the weights unpacked once for them where kernels.tiles.TOKEN_BLOCK says so; the last tokens of a work item and
     the partial last row tile go one by one) gives what one-token calls give (the same integer sums;
     the float epilogue may round in another order under fast-math: 1e-6 of each dot's scale), and that
     is the q8 emulation's dot."""
     rng = np.random.default_rng(23 + int(t))
-    rows, cols, T = 37, 512, 16 + 2 * M._TOK_NT + 3
+    rows, cols, T = 37, 512, 16 + 2 * M._TOK_NT + 3     # work items of 16 and 11 tokens: groups, then singles
     data, ref_w = make_weight(t, rows, cols, rng)
     w = M.prepare_weight(int(t), data, rows, cols)
     assert w.kind in M._INT_KINDS
