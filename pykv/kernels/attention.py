@@ -64,6 +64,7 @@ _Z = np.int64(0)    # a constant int64 argument (a literal 0 would compile a sec
 SERIAL_KEYS = 384  # decode steps with at most this many (keys x KV heads) run on the calling thread
 _FM = {"reassoc", "contract", "nsz", "arcp"}   # no nnan / ninf: -inf is a real state here
 S_ROWS = 16        # a work item's scratch is in its stack frame up to S_ROWS query rows and head_dim S_HD
+                   # (~90 KB of stack a work item: thread stacks are MBs)
 S_HD = 128
 CAP_Q = S_ROWS * S_HD   # (the stack arrays' capacities: literal constants)
 CAP_T = TILE * S_HD
