@@ -126,6 +126,7 @@ def fmul_rn(typingctx, a, b):
         return types.float32(a, b), codegen
     return None
 
+
 @intrinsic
 def f16_store32(typingctx, x, xo, dst, do):
     """Write x[xo:xo + 32] (float32) as 32 IEEE halves at byte do of uint8 dst, rounded to nearest even
@@ -336,8 +337,12 @@ def _stack_codegen(dtype, aty):
     return codegen
 
 
-def _stack_typer(dtype, ndim):
-    """Typer of stack_array's intrinsic for one dtype and ndim (see stack_array)."""
+def stack_array(dtype, ndim):
+    """Intrinsic (cap, n0[, n1]) -> an uninitialized C-contiguous array of shape (n0[, n1]) in the calling
+    function's stack frame, room for cap (a literal) elements: the caller checks n0 * n1 <= cap.  Scratch
+    of a kernel's work item without malloc / free, in memory the optimizer knows aliases nothing else
+    (np.empty's blocks come from a call it cannot see through, so loops over several get alias checks).
+    It must not outlive the call: never returned or stored."""
     aty = types.Array(dtype, ndim, "C")
 
     def ok(cap, shape):
@@ -351,12 +356,3 @@ def _stack_typer(dtype, ndim):
             return (aty(cap, n0, n1), _stack_codegen(dtype, aty)) if ok(cap, (n0, n1)) else None
     typer.__name__ = f"stack_{dtype}_{ndim}d"
     return intrinsic(typer)
-
-
-def stack_array(dtype, ndim):
-    """Intrinsic (cap, n0[, n1]) -> an uninitialized C-contiguous array of shape (n0[, n1]) in the calling
-    function's stack frame, room for cap (a literal) elements: the caller checks n0 * n1 <= cap.  Scratch
-    of a kernel's work item without malloc / free, in memory the optimizer knows aliases nothing else
-    (np.empty's blocks come from a call it cannot see through, so loops over several get alias checks).
-    It must not outlive the call: never returned or stored."""
-    return _stack_typer(dtype, ndim)

@@ -510,10 +510,9 @@ def test_attend_from_one_process_and_item_from_another_do_not_crash(tmp_path):
     assert {p.name: p.stat().st_mtime_ns for p in folder.glob("attention.attend-*")} == stamps
 
 
-
 def test_stack_scratch_is_separate_and_falls_back_to_the_heap():
     """simd.stack_array (a work item's scratch in its stack frame): arrays of the asked shape, C-contiguous,
-    none overlapping another, each call a fresh frame; a shape over the capacity takes np.empty."""
+    none overlapping another; a shape over the capacity takes np.empty."""
     from numba import types
     from pykv.kernels.simd import stack_array
     s2, s1 = stack_array(types.float32, 2), stack_array(types.int64, 1)
