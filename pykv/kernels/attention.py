@@ -55,7 +55,8 @@ from pykv.kernels import folder_lock
 from pykv.kernels.blocks import deq_kivi_k_rows, deq_rows
 from pykv.kernels.kvdot import UNIT, accum_q8_0_1, accum_q8_0_3, scores_q8_0_1, scores_q8_0_3
 from pykv.kernels.ops import _fwht_vec, _rope_vec, exp_neg
-from pykv.kernels.simd import bits_f32, gemm_tile, prefetch, stack_array
+from pykv.kernels.simd import bits_f32, gemm_tile, prefetch, pv_rows, qk_rows, stack_array
+from pykv.kernels.tiles import L as VW
 
 TILE = 32          # keys per segment (the f32 K and V tiles: TILE x HD floats each)
 PF_AHEAD = 2       # segments ahead whose pool rows are prefetched
@@ -268,6 +269,74 @@ def _accum_mk(s, n, vt, acc, x0, Rp):
             _PV(s, s.shape[1], 1, vt, acc, x, c, n)
 
 
+# Decode's scores and values (every block of < 8 rows, where the micro-tiles would mostly be padding):
+# simd.qk_rows / pv_rows keep a few rows' sums in registers (VW: the host's float lanes), reading f16
+# rows (sinks, ring, an f16 pool) in place or the f32 tile of any other format.
+QK_KG = 8 if VW == 16 else 4      # keys per qk_rows call (3 rows x QK_KG accumulators in registers)
+PV_NV = 4 if VW == 16 else 2      # vectors of columns per pv_rows call (3 x PV_NV accumulators)
+_QKa, _QKb, _QKc = (qk_rows(rb, QK_KG, VW) for rb in (1, 2, 3))    # 1, 2, 3 rows x QK_KG keys
+_QK1a, _QK1b, _QK1c = (qk_rows(rb, 1, VW) for rb in (1, 2, 3))      # x one key (a segment's last keys)
+_PVa, _PVb, _PVc = (pv_rows(rb, PV_NV, VW) for rb in (1, 2, 3))     # 1, 2, 3 rows x PV_NV vectors
+_PV1a, _PV1b, _PV1c = (pv_rows(rb, 1, VW) for rb in (1, 2, 3))      # x one vector (HD's rest)
+
+
+@njit(cache=True, nogil=True, fastmath=_FM)
+def _qk(qb, R, src, so, rb, n, s):
+    """s[x, r] = qb[x] . key r for x < R, r < n; key r's row at byte so + r * rb of src (uint8: f16 rows,
+    float32: the f32 tile).  HD a multiple of VW."""
+    r = 0
+    while r < n:
+        o = so + r * rb
+        if r + QK_KG <= n:
+            x = 0
+            while x + 3 <= R:
+                _QKc(qb, x, src, o, rb, s, r)
+                x += 3
+            if R - x == 2:
+                _QKb(qb, x, src, o, rb, s, r)
+            elif R - x == 1:
+                _QKa(qb, x, src, o, rb, s, r)
+            r += QK_KG
+        else:
+            x = 0
+            while x + 3 <= R:
+                _QK1c(qb, x, src, o, rb, s, r)
+                x += 3
+            if R - x == 2:
+                _QK1b(qb, x, src, o, rb, s, r)
+            elif R - x == 1:
+                _QK1a(qb, x, src, o, rb, s, r)
+            r += 1
+
+
+@njit(cache=True, nogil=True, fastmath=_FM)
+def _pv(s, x0, R, src, so, rb, n, acc):
+    """acc[x, :] += sum_{r < n} s[x, r] * value r for x0 <= x < R; value r's row at byte so + r * rb of
+    src (uint8: f16 rows, float32: the f32 tile).  HD a multiple of VW."""
+    HD = acc.shape[1]
+    c = 0
+    while c < HD:
+        wide = c + PV_NV * VW <= HD
+        x = x0
+        while x + 3 <= R:
+            if wide:
+                _PVc(s, x, src, so, rb, n, acc, c)
+            else:
+                _PV1c(s, x, src, so, rb, n, acc, c)
+            x += 3
+        if R - x == 2:
+            if wide:
+                _PVb(s, x, src, so, rb, n, acc, c)
+            else:
+                _PV1b(s, x, src, so, rb, n, acc, c)
+        elif R - x == 1:
+            if wide:
+                _PVa(s, x, src, so, rb, n, acc, c)
+            else:
+                _PV1a(s, x, src, so, rb, n, acc, c)
+        c += PV_NV * VW if wide else VW
+
+
 # ----------------------------------------------------------------------------------------------
 # one work item
 # ----------------------------------------------------------------------------------------------
@@ -345,6 +414,7 @@ def _item(q, kpool, vpool, kres, vres, ksink, vsink, page_table, n_past, ns_k, n
     # the tiles alias nothing), else on the heap (a prefill's bigger blocks)
     qb = _f2(CAP_Q, R, HD) if R * HD <= CAP_Q else np.empty((R, HD), np.float32)
     gm = mt and R >= 8 and HD % 16 == 0 and vcode != CODE_Q8_0 and wk == 0 and wv == 0
+    vec = HD % VW == 0                   # scores / values by _qk / _pv (else the loops below)
     Rp = (R + 7) // 8 * 8 if gm else 0
     qbT = np.zeros((HD, Rp), np.float32) if Rp > 0 else _f2(1, HD, 0)  # the query rows transposed, zero past R
     sT = np.empty((TILE, Rp), np.float32) if Rp > 0 else _f2(1, TILE, 0)
@@ -445,11 +515,21 @@ def _item(q, kpool, vpool, kres, vres, ksink, vsink, page_table, n_past, ns_k, n
                 vp = vpool[g, pg2]
                 for o in range(s2 * rbv, (s2 + n2) * rbv, 64):
                     prefetch(vp, o)
-        # ---- K tile
+        # ---- K: f16 rows (sinks, ring, an f16 pool) are read in place (kdir), others through the tile kt
         if j < ns_k:                                 # attention-sink tokens: exact f16 copies
-            _deq(rcode, ksink[g].reshape(NS * rbr), j * rbr, rbr, n, kt)
+            ksrc = ksink[g].reshape(NS * rbr)
+            ko, krb, kc = j * rbr, rbr, rcode
         elif j >= nq_k or (wk > 0 and j >= whi_k):
-            _deq(rck, kres[g].reshape(RING * rbk_r), (j % RING) * rbk_r, rbk_r, n, kt)
+            ksrc = kres[g].reshape(RING * rbk_r)
+            ko, krb, kc = (j % RING) * rbk_r, rbk_r, rck
+        else:                                        # (an f16 pool has no window and no KIVI bits)
+            ksrc = kpool[g, page]
+            ko, krb, kc = sp * rbk, rbk, kcode
+        kdir = vec and not gm and kx.shape[0] == 0 and kc == rcode
+        if kdir:
+            pass
+        elif j < ns_k or j >= nq_k or (wk > 0 and j >= whi_k):
+            _deq(kc, ksrc, ko, krb, n, kt)
         elif kbits > 0:
             deq_kivi_k_rows(kbits, kpool[g, page], sp, n, kt, dk, mk)
         elif kq8 and not (wk > 0 and j >= wlo_k):
@@ -475,7 +555,12 @@ def _item(q, kpool, vpool, kres, vres, ksink, vsink, page_table, n_past, ns_k, n
         mts = gm and not kint                        # this segment's scores and V through the micro-tiles
         if mts:
             _scores_mk(kt, n, qbT, sT, R, s)
-        x3 = R if kmix or kint or mts else 0
+        sdone = kdir or (vec and not gm and not kint and not kmix)    # every row's n scores by _qk
+        if kdir:
+            _qk(qb, R, ksrc, ko, krb, n, s)
+        elif sdone:
+            _qk(qb, R, kt, 0, HD * 4, n, s)
+        x3 = R if kmix or kint or mts or sdone else 0
         while x3 + 3 <= R and min(lim[x3], lim[x3 + 1], lim[x3 + 2]) - j >= n:
             _scores3(qb[x3], qb[x3 + 1], qb[x3 + 2], kt, n, s[x3], s[x3 + 1], s[x3 + 2])
             x3 += 3
@@ -511,11 +596,21 @@ def _item(q, kpool, vpool, kres, vres, ksink, vsink, page_table, n_past, ns_k, n
             for r in range(nv, n):
                 s[x, r] = np.float32(0.0)
             lrow[x] += ls
-        # ---- V tile
+        # ---- V: f16 rows read in place (vdir), others through the tile vt
         if j < ns_v:
-            _deq(rcode, vsink[g].reshape(NS * rbr), j * rbr, rbr, n, vt)
+            vsrc = vsink[g].reshape(NS * rbr)
+            vo, vrb, vc = j * rbr, rbr, rcode
         elif j >= nq_v or (wv > 0 and j >= whi_v):
-            _deq(rcv, vres[g].reshape(RINGV * rbv_r), (j % RINGV) * rbv_r, rbv_r, n, vt)
+            vsrc = vres[g].reshape(RINGV * rbv_r)
+            vo, vrb, vc = (j % RINGV) * rbv_r, rbv_r, rcv
+        else:
+            vsrc = vpool[g, page]
+            vo, vrb, vc = sp * rbv, rbv, vcode
+        vdir = vec and not gm and vc == rcode
+        if vdir:
+            _pv(s, xlo, R, vsrc, vo, vrb, n, acc)
+        elif j < ns_v or j >= nq_v or (wv > 0 and j >= whi_v):
+            _deq(vc, vsrc, vo, vrb, n, vt)
         elif vq8 and not (wv > 0 and j >= wlo_v):
             vint = True
             x = xlo
@@ -539,6 +634,10 @@ def _item(q, kpool, vpool, kres, vres, ksink, vsink, page_table, n_past, ns_k, n
                     _accum(s[x, m1:], vt2[m1:], n - m1, acc[x])
         elif mts:
             _accum_mk(s, n, vt, acc, xlo // 4 * 4, Rp)
+        elif vdir:
+            pass
+        elif vec and not gm and not vint:
+            _pv(s, xlo, R, vt, 0, HD * 4, n, acc)
         elif not vint:               # rows xlo.. see the segment (their p past their causal end are 0)
             x = xlo
             while x + 2 <= R:

@@ -356,3 +356,172 @@ def stack_array(dtype, ndim):
             return (aty(cap, n0, n1), _stack_codegen(dtype, aty)) if ok(cap, (n0, n1)) else None
     typer.__name__ = f"stack_{dtype}_{ndim}d"
     return intrinsic(typer)
+
+
+# ---- decode attention over f16 or f32 key / value rows (attention._item) -----------------------------
+
+def _rows_elem(src):
+    """The element type of key / value rows in `src`: uint8 bytes hold f16 rows, float32 arrays f32 rows."""
+    if isinstance(src, types.Array) and src.layout == "C" and src.dtype in (types.uint8, types.float32):
+        return F16 if src.dtype == types.uint8 else F32
+    return None
+
+
+def _row_vec(builder, base, elem, e, W):
+    """<W x float>: W elements from element index e (i64) of the row at byte pointer base (i8*)."""
+    if elem is F16:
+        p = builder.gep(builder.bitcast(base, I16.as_pointer()), [e], inbounds=True)
+        return _fpext_half(builder, _load(builder, p, _vec(I16, W)))
+    p = builder.gep(builder.bitcast(base, F32.as_pointer()), [e], inbounds=True)
+    return _load(builder, p, _vec(F32, W))
+
+
+def _sum_lanes(builder, vecs, W):
+    """The KG = len(vecs) lane sums of <W x float> vectors as one <KG x float> (KG a power of two <= W):
+    pairs of vectors are folded into one holding both halves' sums (two shuffles and an add), so a key's
+    sum costs about 3 operations where a horizontal sum of its own vector costs 8."""
+    m, w = 1, W                     # each vector: m segments of w lanes, one key's partial sums each
+    while len(vecs) > 1:
+        lo, hi = [], []
+        for t in range(2 * m):      # new segment t: segment t % m of u (t < m) or of v
+            src = (t % m) * w + (0 if t < m else W)
+            lo += list(range(src, src + w // 2))
+            hi += list(range(src + w // 2, src + w))
+        mlo, mhi = ir.Constant(_vec(I32, W), lo), ir.Constant(_vec(I32, W), hi)
+        vecs = [builder.fadd(builder.shuffle_vector(u, v, mlo), builder.shuffle_vector(u, v, mhi))
+                for u, v in zip(vecs[::2], vecs[1::2])]
+        m, w = 2 * m, w // 2
+    v = vecs[0]
+    n = W
+    while w > 1:                    # one vector of m keys x w lanes: fold each segment's halves
+        lo = [s * w + i for s in range(m) for i in range(w // 2)]
+        hi = [s * w + w // 2 + i for s in range(m) for i in range(w // 2)]
+        u = ir.Constant(_vec(F32, n), ir.Undefined)
+        v = builder.fadd(builder.shuffle_vector(v, u, ir.Constant(_vec(I32, len(lo)), lo)),
+                         builder.shuffle_vector(v, u, ir.Constant(_vec(I32, len(hi)), hi)))
+        n, w = len(lo), w // 2
+    return v
+
+
+def qk_rows(RB, KG, W):
+    """Intrinsic (q, x0, src, so, rb, s, r0): s[x0 + i, r0:r0 + KG] = q[x0 + i, :] . key r for i < RB and
+    the KG keys r whose rows start at byte so + r * rb of src (uint8: f16 rows, float32: f32 rows);
+    q, s: float32 2-D C-contiguous, HD = q.shape[1] a multiple of W (>= W).  The RB x KG products stay
+    in registers over the HD loop (<W x float> each), then _sum_lanes folds them: no horizontal sum
+    per key.  No bounds checks."""
+    def typer(typingctx, q, x0, src, so, rb, s, r0):
+        elem = _rows_elem(src)
+        if elem is None or not (all(isinstance(a, types.Array) and a.dtype == types.float32 and a.ndim == 2
+                                    and a.layout == "C" for a in (q, s))
+                                and all(isinstance(i, types.Integer) for i in (x0, so, rb, r0))):
+            return None
+
+        def codegen(context, builder, sig, args):
+            x0_, so_, rb_, r0_ = (context.cast(builder, args[i], sig.args[i], types.int64) for i in (1, 3, 4, 6))
+            qa = context.make_array(sig.args[0])(context, builder, args[0])
+            sa = context.make_array(sig.args[5])(context, builder, args[5])
+            HD = cgutils.unpack_tuple(builder, qa.shape, 2)[1]
+            lds = cgutils.unpack_tuple(builder, sa.shape, 2)[1]
+            base = builder.gep(builder.bitcast(_data(context, builder, sig.args[2], args[2]), I8.as_pointer()),
+                               [so_], inbounds=True)
+            krow = [builder.gep(base, [builder.mul(rb_, ir.Constant(I64, r))], inbounds=True) for r in range(KG)]
+            qrow = [builder.gep(qa.data, [builder.mul(builder.add(x0_, ir.Constant(I64, i)), HD)], inbounds=True)
+                    for i in range(RB)]
+            vw = _vec(F32, W)
+            fma = builder.module.declare_intrinsic(f"llvm.fmuladd.v{W}f32", fnty=ir.FunctionType(vw, [vw] * 3))
+            pre = builder.block
+            loop = builder.append_basic_block("qk.e")
+            done = builder.append_basic_block("qk.done")
+            builder.branch(loop)
+            builder.position_at_end(loop)
+            e = builder.phi(I64)
+            acc = [[builder.phi(vw) for _ in range(KG)] for _ in range(RB)]
+            e.add_incoming(ir.Constant(I64, 0), pre)
+            qv = [_load(builder, builder.gep(qrow[i], [e], inbounds=True), vw) for i in range(RB)]
+            new = [[None] * KG for _ in range(RB)]
+            for r in range(KG):
+                kv = _row_vec(builder, krow[r], elem, e, W)
+                for i in range(RB):
+                    new[i][r] = builder.call(fma, [qv[i], kv, acc[i][r]])
+            e1 = builder.add(e, ir.Constant(I64, W))
+            end = builder.block
+            e.add_incoming(e1, end)
+            for i in range(RB):
+                for r in range(KG):
+                    acc[i][r].add_incoming(ir.Constant(vw, [0.0] * W), pre)
+                    acc[i][r].add_incoming(new[i][r], end)
+            builder.cbranch(builder.icmp_signed("<", e1, HD), loop, done)
+            builder.position_at_end(done)
+            for i in range(RB):
+                tot = _sum_lanes(builder, new[i], W)
+                off = builder.add(builder.mul(builder.add(x0_, ir.Constant(I64, i)), lds), r0_)
+                p = builder.gep(sa.data, [off], inbounds=True)
+                if KG == 1:
+                    builder.store(tot if tot.type == F32 else builder.extract_element(tot, ir.Constant(I32, 0)), p)
+                else:
+                    builder.store(tot, builder.bitcast(p, tot.type.as_pointer()), align=4)
+            return context.get_dummy_value()
+        return types.void(q, x0, src, so, rb, s, r0), codegen
+    typer.__name__ = f"qk_rows_{RB}x{KG}_{W}"
+    return intrinsic(typer)
+
+
+def pv_rows(RB, NV, W):
+    """Intrinsic (p, x0, src, so, rb, n, acc, c0): acc[x0 + i, c0:c0 + NV * W] += sum_{r < n} p[x0 + i, r] *
+    value r[c0:c0 + NV * W] for i < RB, value r's row at byte so + r * rb of src (uint8: f16 rows, float32:
+    f32 rows); p, acc: float32 2-D C-contiguous; n >= 1.  The RB x NV accumulators stay in registers over
+    the keys (the value row is read and converted once for the RB rows).  No bounds checks."""
+    def typer(typingctx, p, x0, src, so, rb, n, acc, c0):
+        elem = _rows_elem(src)
+        if elem is None or not (all(isinstance(a, types.Array) and a.dtype == types.float32 and a.ndim == 2
+                                    and a.layout == "C" for a in (p, acc))
+                                and all(isinstance(i, types.Integer) for i in (x0, so, rb, n, c0))):
+            return None
+
+        def codegen(context, builder, sig, args):
+            x0_, so_, rb_, n_, c0_ = (context.cast(builder, args[i], sig.args[i], types.int64)
+                                      for i in (1, 3, 4, 5, 7))
+            pa = context.make_array(sig.args[0])(context, builder, args[0])
+            aa = context.make_array(sig.args[6])(context, builder, args[6])
+            ldp = cgutils.unpack_tuple(builder, pa.shape, 2)[1]
+            lda = cgutils.unpack_tuple(builder, aa.shape, 2)[1]
+            base = builder.gep(builder.bitcast(_data(context, builder, sig.args[2], args[2]), I8.as_pointer()),
+                               [so_], inbounds=True)
+            vw = _vec(F32, W)
+            fma = builder.module.declare_intrinsic(f"llvm.fmuladd.v{W}f32", fnty=ir.FunctionType(vw, [vw] * 3))
+            prow = [builder.gep(pa.data, [builder.mul(builder.add(x0_, ir.Constant(I64, i)), ldp)], inbounds=True)
+                    for i in range(RB)]
+            aptr = [[builder.bitcast(builder.gep(aa.data, [builder.add(builder.mul(
+                builder.add(x0_, ir.Constant(I64, i)), lda), builder.add(c0_, ir.Constant(I64, v * W)))],
+                inbounds=True), vw.as_pointer()) for v in range(NV)] for i in range(RB)]
+            init = [[builder.load(aptr[i][v], align=4) for v in range(NV)] for i in range(RB)]
+            pre = builder.block
+            loop = builder.append_basic_block("pv.r")
+            done = builder.append_basic_block("pv.done")
+            builder.branch(loop)
+            builder.position_at_end(loop)
+            r = builder.phi(I64)
+            a = [[builder.phi(vw) for _ in range(NV)] for _ in range(RB)]
+            r.add_incoming(ir.Constant(I64, 0), pre)
+            row = builder.gep(base, [builder.mul(r, rb_)], inbounds=True)
+            vv = [_row_vec(builder, row, elem, builder.add(c0_, ir.Constant(I64, v * W)), W) for v in range(NV)]
+            new = []
+            for i in range(RB):
+                w = _splat(builder, builder.load(builder.gep(prow[i], [r], inbounds=True)), W)
+                new.append([builder.call(fma, [w, vv[v], a[i][v]]) for v in range(NV)])
+            r1 = builder.add(r, ir.Constant(I64, 1))
+            end = builder.block
+            r.add_incoming(r1, end)
+            for i in range(RB):
+                for v in range(NV):
+                    a[i][v].add_incoming(init[i][v], pre)
+                    a[i][v].add_incoming(new[i][v], end)
+            builder.cbranch(builder.icmp_signed("<", r1, n_), loop, done)
+            builder.position_at_end(done)
+            for i in range(RB):
+                for v in range(NV):
+                    builder.store(new[i][v], aptr[i][v], align=4)
+            return context.get_dummy_value()
+        return types.void(p, x0, src, so, rb, n, acc, c0), codegen
+    typer.__name__ = f"pv_rows_{RB}x{NV}_{W}"
+    return intrinsic(typer)

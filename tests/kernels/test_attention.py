@@ -435,6 +435,55 @@ def test_gemm_tile_matches_numpy():
             np.testing.assert_allclose(C, want, rtol=1e-5, atol=1e-5)
 
 
+
+@pytest.mark.parametrize("W", [8, 16])
+def test_qk_pv_rows_match_numpy(W):
+    """simd.qk_rows / pv_rows, decode's scores and values: RB query rows against KG keys (RB x KG sums in
+    registers, folded by _sum_lanes) and RB rows of p times n value rows, from f16 rows at a byte offset and
+    stride (the pool read in place) and from an f32 tile; only the addressed outputs change."""
+    from numba import njit
+
+    from pykv.kernels.simd import pv_rows, qk_rows
+
+    rng = np.random.default_rng(9)
+    HD, rb = 4 * W, 4 * W * 2 + 6                  # f16 rows with 6 bytes of padding between them
+    K = rng.standard_normal((24, HD)).astype(np.float16)
+    raw = np.zeros(10 + 24 * rb, np.uint8)
+    for r in range(24):
+        raw[10 + r * rb:10 + r * rb + 2 * HD] = K[r].view(np.uint8)
+    Kf = K.astype(np.float32)
+    for RB in (1, 2, 3):
+        for KG in (1, 2, 4, 8):
+            qk = qk_rows(RB, KG, W)
+
+            @njit
+            def run_qk(q, x0, src, so, rbytes, s, r0):
+                qk(q, x0, src, so, rbytes, s, r0)
+
+            q = rng.standard_normal((5, HD)).astype(np.float32)
+            for src, so, rbytes in ((raw, 10 + 3 * rb, rb), (Kf, 3 * HD * 4, HD * 4)):
+                s = np.full((5, 16), -7.0, np.float32)
+                run_qk(q, 1, src, so, rbytes, s, 2)
+                want = np.full((5, 16), -7.0, np.float32)
+                want[1:1 + RB, 2:2 + KG] = q[1:1 + RB].astype(np.float64) @ Kf[3:3 + KG].T
+                np.testing.assert_allclose(s, want, rtol=1e-5, atol=1e-5)
+        for NV in (1, 2, 4):
+            pv = pv_rows(RB, NV, W)
+
+            @njit
+            def run_pv(p, x0, src, so, rbytes, n, acc, c0):
+                pv(p, x0, src, so, rbytes, n, acc, c0)
+
+            p = rng.random((5, 24)).astype(np.float32)
+            for n in (1, 5, 13):
+                for src, so, rbytes in ((raw, 10 + 2 * rb, rb), (Kf, 2 * HD * 4, HD * 4)):
+                    acc = rng.standard_normal((5, HD)).astype(np.float32)
+                    want = acc.astype(np.float64)
+                    c0 = HD - NV * W
+                    want[2:2 + RB, c0:c0 + NV * W] += p[2:2 + RB, :n] @ Kf[2:2 + n, c0:c0 + NV * W]
+                    run_pv(p, 2, src, so, rbytes, n, acc, c0)
+                    np.testing.assert_allclose(acc, want, rtol=1e-5, atol=1e-5)
+
 _CACHED_CALL = """
 import sys
 import numpy as np
