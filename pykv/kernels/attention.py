@@ -16,9 +16,14 @@ side of the quantized / f16-residual boundary).  Per segment:
 A prefill's blocks of TB x G >= 8 rows run 2 and 4 as register-blocked GEMM micro-tiles (simd.gemm_tile:
 the outputs of 4 keys x 24 rows, or 4 rows x 16 channels, in registers over the inner loop) instead of
 the dot-per-row loops (_scores_mk / _accum_mk, in _item's prefill specialization only).
-q8_0 pool rows skip the tiles (kernels.kvdot reads them in place): 1 + 2 become exact int32 dots of
-the int8 keys with the query rows' int16 form (_quant_q16, once per work item), and 4 adds each V
-row's int8 values, made float once, to the G rows with weight p * d (the block scale folded in).
+Smaller blocks (every decode item) run 2 and 4 through simd.qk_rows / pv_rows (_qk / _pv): up to 3 rows
+x 8 keys of partial sums (or 3 rows x 64 output channels) in registers, the keys' lane sums folded
+together instead of one horizontal sum per key; f16 rows (the sinks, the ring, an f16 pool) are read
+in place by them, with no tile in between.
+Where INT_Q8 (AVX2 and narrower), q8_0 pool rows skip the tiles too (kernels.kvdot reads them in
+place): 1 + 2 become exact int32 dots of the int8 keys with the query rows' int16 form (_quant_q16,
+once per work item), and 4 adds each V row's int8 values, made float once, to the G rows with weight
+p * d (the block scale folded in).
 
 Partials (m, l, acc) go to `part`; a second pass merges the chunks with log-sum-exp weights.
 Each work item's few small tiles (~10 KB) live in its own stack frame (simd.stack_array), each its own
@@ -274,6 +279,8 @@ def _accum_mk(s, n, vt, acc, x0, Rp):
 # rows (sinks, ring, an f16 pool) in place or the f32 tile of any other format.
 QK_KG = 8 if VW == 16 else 4      # keys per qk_rows call (3 rows x QK_KG accumulators in registers)
 PV_NV = 4 if VW == 16 else 2      # vectors of columns per pv_rows call (3 x PV_NV accumulators)
+INT_Q8 = VW != 16      # q8_0 pool rows by kvdot's integer dots (AVX2 and narrower: faster there); with
+                       # AVX-512's 16 lanes the f32 tile and qk_rows / pv_rows measured faster
 _QKa, _QKb, _QKc = (qk_rows(rb, QK_KG, VW) for rb in (1, 2, 3))    # 1, 2, 3 rows x QK_KG keys
 _QK1a, _QK1b, _QK1c = (qk_rows(rb, 1, VW) for rb in (1, 2, 3))      # x one key (a segment's last keys)
 _PVa, _PVb, _PVc = (pv_rows(rb, PV_NV, VW) for rb in (1, 2, 3))     # 1, 2, 3 rows x PV_NV vectors
@@ -446,8 +453,8 @@ def _item(q, kpool, vpool, kres, vres, ksink, vsink, page_table, n_past, ns_k, n
                 if gm:
                     qbT[i, x] = qb[x, i]
     # q8_0 pool rows are read in place by kvdot (see the module doc); pre-RoPE keys need a K tile
-    kq8 = kcode == CODE_Q8_0 and kbits == 0 and kx.shape[0] == 0 and HD % UNIT == 0
-    vq8 = vcode == CODE_Q8_0
+    kq8 = INT_Q8 and kcode == CODE_Q8_0 and kbits == 0 and kx.shape[0] == 0 and HD % UNIT == 0
+    vq8 = INT_Q8 and vcode == CODE_Q8_0
     nx = HD if kq8 else 0
     xq = _h2(CAP_Q, R, nx) if R * nx <= CAP_Q else np.empty((R, nx), np.int16)
     xd = _f2(CAP_D, R, nx // 32) if R * nx <= CAP_Q else np.empty((R, nx // 32), np.float32)
