@@ -452,7 +452,7 @@ def _item(q, kpool, vpool, kres, vres, ksink, vsink, page_table, n_past, ns_k, n
                 qb[x, i] = q[t0 + tb, g * G + gi, i]
                 if gm:
                     qbT[i, x] = qb[x, i]
-    # q8_0 pool rows are read in place by kvdot (see the module doc); pre-RoPE keys need a K tile
+    # with INT_Q8, q8_0 pool rows are read in place by kvdot (see the module doc); pre-RoPE keys need a K tile
     kq8 = INT_Q8 and kcode == CODE_Q8_0 and kbits == 0 and kx.shape[0] == 0 and HD % UNIT == 0
     vq8 = INT_Q8 and vcode == CODE_Q8_0
     nx = HD if kq8 else 0
