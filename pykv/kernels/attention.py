@@ -20,10 +20,9 @@ Smaller blocks (every decode item) run 2 and 4 through simd.qk_rows / pv_rows (_
 x 8 keys of partial sums (or 3 rows x 64 output channels) in registers, the keys' lane sums folded
 together instead of one horizontal sum per key; f16 rows (the sinks, the ring, an f16 pool) are read
 in place by them, with no tile in between.
-Where INT_Q8 (AVX2 and narrower), q8_0 pool rows skip the tiles too (kernels.kvdot reads them in
-place): 1 + 2 become exact int32 dots of the int8 keys with the query rows' int16 form (_quant_q16,
-once per work item), and 4 adds each V row's int8 values, made float once, to the G rows with weight
-p * d (the block scale folded in).
+q8_0 pool rows skip the tiles too (kernels.kvdot reads them in place): 1 + 2 become exact int32 dots
+of the int8 keys with the query rows' int16 form (_quant_q16, once per work item), and 4 adds each V
+row's int8 values, made float once, to the G rows with weight p * d (the block scale folded in).
 
 Partials (m, l, acc) go to `part`; a second pass merges the chunks with log-sum-exp weights.
 Each work item's few small tiles (~10 KB) live in its own stack frame (simd.stack_array), each its own
@@ -279,8 +278,6 @@ def _accum_mk(s, n, vt, acc, x0, Rp):
 # rows (sinks, ring, an f16 pool) in place or the f32 tile of any other format.
 QK_KG = 8 if VW == 16 else 4      # keys per qk_rows call (3 rows x QK_KG accumulators in registers)
 PV_NV = 4 if VW == 16 else 2      # vectors of columns per pv_rows call (3 x PV_NV accumulators)
-INT_Q8 = VW != 16      # q8_0 pool rows by kvdot's integer dots (AVX2 and narrower: faster there); with
-                       # AVX-512's 16 lanes the f32 tile and qk_rows / pv_rows measured faster
 _QKa, _QKb, _QKc = (qk_rows(rb, QK_KG, VW) for rb in (1, 2, 3))    # 1, 2, 3 rows x QK_KG keys
 _QK1a, _QK1b, _QK1c = (qk_rows(rb, 1, VW) for rb in (1, 2, 3))      # x one key (a segment's last keys)
 _PVa, _PVb, _PVc = (pv_rows(rb, PV_NV, VW) for rb in (1, 2, 3))     # 1, 2, 3 rows x PV_NV vectors
@@ -452,9 +449,9 @@ def _item(q, kpool, vpool, kres, vres, ksink, vsink, page_table, n_past, ns_k, n
                 qb[x, i] = q[t0 + tb, g * G + gi, i]
                 if gm:
                     qbT[i, x] = qb[x, i]
-    # with INT_Q8, q8_0 pool rows are read in place by kvdot (see the module doc); pre-RoPE keys need a K tile
-    kq8 = INT_Q8 and kcode == CODE_Q8_0 and kbits == 0 and kx.shape[0] == 0 and HD % UNIT == 0
-    vq8 = INT_Q8 and vcode == CODE_Q8_0
+    # q8_0 pool rows are read in place by kvdot (see the module doc); pre-RoPE keys need a K tile
+    kq8 = kcode == CODE_Q8_0 and kbits == 0 and kx.shape[0] == 0 and HD % UNIT == 0
+    vq8 = vcode == CODE_Q8_0
     nx = HD if kq8 else 0
     xq = _h2(CAP_Q, R, nx) if R * nx <= CAP_Q else np.empty((R, nx), np.int16)
     xd = _f2(CAP_D, R, nx // 32) if R * nx <= CAP_Q else np.empty((R, nx // 32), np.float32)

@@ -19,7 +19,6 @@ import pytest
 
 from pykv.files.config import Config
 from pykv.files.formats import CODE_Q8_0, KV_FORMATS, bytes_per_token
-from pykv.kernels import attention
 from pykv.kernels.blocks import deq_kivi_k_rows
 from pykv.kernels.kvquant import dequantize_row
 from pykv.kernels.kvdot import ok_hd
@@ -114,8 +113,7 @@ def int_keys(cache, li=0):
     """Whether attention scores layer li's pool keys by kvdot's integer dots (q8_0 keys, whole units,
     no pre-RoPE transform): their scores see the query's int16 form (reference.q16_query)."""
     l = cache.layers[li]
-    return (attention.INT_Q8 and l.k_fmt.code == CODE_Q8_0 and not l.k_bits and not cache.k_pre[li]
-            and ok_hd(cache.cfg.head_dim))
+    return l.k_fmt.code == CODE_Q8_0 and not l.k_bits and not cache.k_pre[li] and ok_hd(cache.cfg.head_dim)
 
 
 def check(cache, seq, T, chunks, rng, what=""):
