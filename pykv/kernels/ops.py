@@ -2,7 +2,7 @@
 import numpy as np
 from numba import njit, prange
 
-from pykv.kernels.simd import bits_f32
+from pykv.kernels.simd import bits_f32, fwht
 
 
 # Row kernels split their tokens over the threads from this many on (prefill); fewer (a decode step) run
@@ -108,7 +108,10 @@ def _butterfly(v):
 @njit(cache=True, nogil=True, inline="always")
 def _fwht_vec(v, sign, inverse):
     # Forward: v <- H·diag(sign)·v / sqrt(HD) (orthonormal, HD a power of two); inverse:
-    # v <- diag(sign)·H·v / sqrt(HD). The rotation that spreads KV outliers.
+    # v <- diag(sign)·H·v / sqrt(HD). The rotation that spreads KV outliers.  simd.fwht: the same bits
+    # as the loops below, as whole-vector IR, for the usual head dims.
+    if fwht(v, sign, inverse):
+        return
     HD = v.shape[0]
     norm = 1.0 / np.sqrt(HD)
     if not inverse:

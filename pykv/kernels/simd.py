@@ -525,3 +525,50 @@ def pv_rows(RB, NV, W):
         return types.void(p, x0, src, so, rb, n, acc, c0), codegen
     typer.__name__ = f"pv_rows_{RB}x{NV}_{W}"
     return intrinsic(typer)
+
+
+FWHT_SIZES = (16, 32, 64, 128)     # head dims the vector Hadamard transform covers
+
+
+@intrinsic
+def fwht(typingctx, v, sign, inverse):
+    """ops._fwht_vec as whole-vector IR: v (float32, C, length HD) <- H diag(sign) v / sqrt(HD) (inverse:
+    diag(sign) H v / sqrt(HD)) in place, the butterfly's stages as a shuffle, add, subtract and select
+    each, the scaling in float64 as the scalar code does it: the same bits.  Returns False (and leaves
+    v alone) when HD is not in FWHT_SIZES."""
+    if not (isinstance(v, types.Array) and v.ndim == 1 and v.layout == "C" and v.dtype == types.float32
+            and isinstance(sign, types.Array) and sign.ndim == 1 and sign.dtype == types.float32
+            and isinstance(inverse, types.Boolean)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        va = context.make_array(sig.args[0])(context, builder, args[0])
+        sa = context.make_array(sig.args[1])(context, builder, args[1])
+        HD = cgutils.unpack_tuple(builder, va.shape, 1)[0]
+        inv = context.cast(builder, args[2], sig.args[2], types.boolean)
+        done = cgutils.alloca_once_value(builder, ir.Constant(ir.IntType(1), 0))
+        end = builder.append_basic_block("fwht.end")
+        sw = builder.switch(HD, end)
+        for n in FWHT_SIZES:
+            bb = builder.append_basic_block(f"fwht.{n}")
+            sw.add_case(ir.Constant(HD.type, n), bb)
+            builder.position_at_end(bb)
+            vf, vd = _vec(F32, n), _vec(ir.DoubleType(), n)
+            vp = builder.bitcast(va.data, vf.as_pointer())
+            x = builder.load(vp, align=4)
+            sg = builder.load(builder.bitcast(sa.data, vf.as_pointer()), align=4)
+            x = builder.select(inv, x, builder.fmul(x, sg))
+            s = 1
+            while s < n:
+                p = builder.shuffle_vector(x, ir.Constant(vf, ir.Undefined), ir.Constant(_vec(I32, n), [i ^ s for i in range(n)]))
+                low = ir.Constant(_vec(ir.IntType(1), n), [int(i & s == 0) for i in range(n)])
+                x = builder.select(low, builder.fadd(x, p), builder.fsub(p, x))
+                s *= 2
+            norm = ir.Constant(vd, [1.0 / float(n) ** 0.5] * n)
+            scale = builder.select(inv, builder.fmul(norm, builder.fpext(sg, vd)), norm)
+            builder.store(builder.fptrunc(builder.fmul(builder.fpext(x, vd), scale), vf), vp, align=4)
+            builder.store(ir.Constant(ir.IntType(1), 1), done)
+            builder.branch(end)
+        builder.position_at_end(end)
+        return builder.load(done)
+    return types.boolean(v, sign, inverse), codegen

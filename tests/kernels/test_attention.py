@@ -484,6 +484,48 @@ def test_qk_pv_rows_match_numpy(W):
                     run_pv(p, 2, src, so, rbytes, n, acc, c0)
                     np.testing.assert_allclose(acc, want, rtol=1e-5, atol=1e-5)
 
+
+def test_fwht_is_the_scalar_transform_bit_for_bit():
+    """simd.fwht (the rotation of q / k / v and of attention's output, quantized caches) against the
+    scalar butterfly and float64 scaling it replaces: the same bits both ways for every size it covers,
+    the orthonormal Hadamard transform (numpy) to rounding, and False with v untouched for other sizes."""
+    from numba import njit
+
+    from pykv.kernels.ops import _butterfly
+    from pykv.kernels.simd import FWHT_SIZES, fwht
+    from pykv.kv.transform import hadamard
+
+    @njit(fastmath=True)
+    def vector(v, sign, inverse):
+        return fwht(v, sign, inverse)
+
+    @njit(fastmath=True)
+    def scalar(v, sign, inverse):
+        HD = v.shape[0]
+        norm = 1.0 / np.sqrt(HD)
+        if not inverse:
+            for i in range(HD):
+                v[i] *= sign[i]
+        _butterfly(v)
+        for i in range(HD):
+            v[i] *= norm * sign[i] if inverse else norm
+
+    rng = np.random.default_rng(11)
+    for n in FWHT_SIZES:
+        sign = rng.choice(np.array([-1.0, 1.0], np.float32), n)
+        H = hadamard(n) / np.sqrt(n)
+        for inverse in (False, True):
+            x = (rng.standard_normal(n) * 30).astype(np.float32)
+            a, b = x.copy(), x.copy()
+            assert vector(a, sign, inverse)
+            scalar(b, sign, inverse)
+            assert np.array_equal(a, b), (n, inverse)
+            want = sign * (H @ x) if inverse else H @ (sign * x)
+            np.testing.assert_allclose(a, want, rtol=1e-5, atol=1e-4)
+    x = rng.standard_normal(256).astype(np.float32)
+    a = x.copy()
+    assert not vector(a, np.ones(256, np.float32), False) and np.array_equal(a, x)
+
 _CACHED_CALL = """
 import sys
 import numpy as np
