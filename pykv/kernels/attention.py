@@ -16,10 +16,10 @@ side of the quantized / f16-residual boundary).  Per segment:
 A prefill's blocks of TB x G >= 8 rows run 2 and 4 as register-blocked GEMM micro-tiles (simd.gemm_tile:
 the outputs of 4 keys x 24 rows, or 4 rows x 16 channels, in registers over the inner loop) instead of
 the dot-per-row loops (_scores_mk / _accum_mk, in _item's prefill specialization only).
-Smaller blocks (every decode item) run 2 and 4 through simd.qk_rows / pv_rows (_qk / _pv): up to 3 rows
-x 8 keys of partial sums (or 3 rows x 64 output channels) in registers, the keys' lane sums folded
-together instead of one horizontal sum per key; f16 rows (the sinks, the ring, an f16 pool) are read
-in place by them, with no tile in between.
+Smaller blocks (every decode item) run 2 and 4 through kernels.attn_rows (simd.qk_rows / pv_rows): 3 rows
+x 8 keys of partial sums (3 rows x 64 output channels; half that with 8-lane vectors) in registers, the
+keys' lane sums folded together instead of one horizontal sum per key; f16 rows (the sinks, the ring,
+an f16 pool) are read in place by them, with no tile in between.
 q8_0 pool rows skip the tiles too (kernels.kvdot reads them in place): 1 + 2 become exact int32 dots
 of the int8 keys with the query rows' int16 form (_quant_q16, once per work item), and 4 adds each V
 row's int8 values, made float once, to the G rows with weight p * d (the block scale folded in).
@@ -59,8 +59,8 @@ from pykv.kernels import folder_lock
 from pykv.kernels.blocks import deq_kivi_k_rows, deq_rows
 from pykv.kernels.kvdot import UNIT, accum_q8_0_1, accum_q8_0_3, scores_q8_0_1, scores_q8_0_3
 from pykv.kernels.ops import _fwht_vec, _rope_vec, exp_neg
-from pykv.kernels.simd import bits_f32, gemm_tile, prefetch, pv_rows, qk_rows, stack_array
-from pykv.kernels.tiles import L as VW
+from pykv.kernels.attn_rows import VW, pv as _pv, qk as _qk
+from pykv.kernels.simd import bits_f32, gemm_tile, prefetch, stack_array
 
 TILE = 32          # keys per segment (the f32 K and V tiles: TILE x HD floats each)
 PF_AHEAD = 2       # segments ahead whose pool rows are prefetched
@@ -271,74 +271,6 @@ def _accum_mk(s, n, vt, acc, x0, Rp):
     for x in range(x0, Rp, 4):
         for c in range(0, HD, 16):
             _PV(s, s.shape[1], 1, vt, acc, x, c, n)
-
-
-# Decode's scores and values (every block of < 8 rows, where the micro-tiles would mostly be padding):
-# simd.qk_rows / pv_rows keep a few rows' sums in registers (VW: the host's float lanes), reading f16
-# rows (sinks, ring, an f16 pool) in place or the f32 tile of any other format.
-QK_KG = 8 if VW == 16 else 4      # keys per qk_rows call (3 rows x QK_KG accumulators in registers)
-PV_NV = 4 if VW == 16 else 2      # vectors of columns per pv_rows call (3 x PV_NV accumulators)
-_QKa, _QKb, _QKc = (qk_rows(rb, QK_KG, VW) for rb in (1, 2, 3))    # 1, 2, 3 rows x QK_KG keys
-_QK1a, _QK1b, _QK1c = (qk_rows(rb, 1, VW) for rb in (1, 2, 3))      # x one key (a segment's last keys)
-_PVa, _PVb, _PVc = (pv_rows(rb, PV_NV, VW) for rb in (1, 2, 3))     # 1, 2, 3 rows x PV_NV vectors
-_PV1a, _PV1b, _PV1c = (pv_rows(rb, 1, VW) for rb in (1, 2, 3))      # x one vector (HD's rest)
-
-
-@njit(cache=True, nogil=True, fastmath=_FM)
-def _qk(qb, R, src, so, rb, n, s):
-    """s[x, r] = qb[x] . key r for x < R, r < n; key r's row at byte so + r * rb of src (uint8: f16 rows,
-    float32: the f32 tile).  HD a multiple of VW."""
-    r = 0
-    while r < n:
-        o = so + r * rb
-        if r + QK_KG <= n:
-            x = 0
-            while x + 3 <= R:
-                _QKc(qb, x, src, o, rb, s, r)
-                x += 3
-            if R - x == 2:
-                _QKb(qb, x, src, o, rb, s, r)
-            elif R - x == 1:
-                _QKa(qb, x, src, o, rb, s, r)
-            r += QK_KG
-        else:
-            x = 0
-            while x + 3 <= R:
-                _QK1c(qb, x, src, o, rb, s, r)
-                x += 3
-            if R - x == 2:
-                _QK1b(qb, x, src, o, rb, s, r)
-            elif R - x == 1:
-                _QK1a(qb, x, src, o, rb, s, r)
-            r += 1
-
-
-@njit(cache=True, nogil=True, fastmath=_FM)
-def _pv(s, x0, R, src, so, rb, n, acc):
-    """acc[x, :] += sum_{r < n} s[x, r] * value r for x0 <= x < R; value r's row at byte so + r * rb of
-    src (uint8: f16 rows, float32: the f32 tile).  HD a multiple of VW."""
-    HD = acc.shape[1]
-    c = 0
-    while c < HD:
-        wide = c + PV_NV * VW <= HD
-        x = x0
-        while x + 3 <= R:
-            if wide:
-                _PVc(s, x, src, so, rb, n, acc, c)
-            else:
-                _PV1c(s, x, src, so, rb, n, acc, c)
-            x += 3
-        if R - x == 2:
-            if wide:
-                _PVb(s, x, src, so, rb, n, acc, c)
-            else:
-                _PV1b(s, x, src, so, rb, n, acc, c)
-        elif R - x == 1:
-            if wide:
-                _PVa(s, x, src, so, rb, n, acc, c)
-            else:
-                _PV1a(s, x, src, so, rb, n, acc, c)
-        c += PV_NV * VW if wide else VW
 
 
 # ----------------------------------------------------------------------------------------------

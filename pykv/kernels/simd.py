@@ -10,7 +10,9 @@ to the float32 array `dst` (any dimension, C-contiguous) at flat element offset 
 here they do no bounds checks: callers pass offsets inside the arrays.
 
 gemm_tile(MR, NR, add) is the register-blocked float32 GEMM micro-tile of attention's prefill (the same
-generic vector IR: <8 x float> accumulators and llvm.fmuladd).
+generic vector IR: <8 x float> accumulators and llvm.fmuladd); qk_rows / pv_rows are decode attention's
+scores and value sums over f16 or f32 rows (kernels.attn_rows); fwht is the Hadamard rotation of a
+head (ops._fwht_vec).
 """
 from llvmlite import ir
 from numba import types
