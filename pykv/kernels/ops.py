@@ -109,9 +109,14 @@ def _butterfly(v):
 def _fwht_vec(v, sign, inverse):
     # Forward: v <- H·diag(sign)·v / sqrt(HD) (orthonormal, HD a power of two); inverse:
     # v <- diag(sign)·H·v / sqrt(HD). The rotation that spreads KV outliers.  simd.fwht: the same bits
-    # as the loops below, as whole-vector IR, for the usual head dims.
-    if fwht(v, sign, inverse):
-        return
+    # as _fwht_loops, as whole-vector IR, for the usual head dims.
+    if not fwht(v, sign, inverse):
+        _fwht_loops(v, sign, inverse)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _fwht_loops(v, sign, inverse):
+    # _fwht_vec as scalar loops: the butterfly, the scaling in float64
     HD = v.shape[0]
     norm = 1.0 / np.sqrt(HD)
     if not inverse:

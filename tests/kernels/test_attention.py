@@ -491,7 +491,7 @@ def test_fwht_is_the_scalar_transform_bit_for_bit():
     the orthonormal Hadamard transform (numpy) to rounding, and False with v untouched for other sizes."""
     from numba import njit
 
-    from pykv.kernels.ops import _butterfly
+    from pykv.kernels.ops import _fwht_loops
     from pykv.kernels.simd import FWHT_SIZES, fwht
     from pykv.kv.transform import hadamard
 
@@ -501,14 +501,7 @@ def test_fwht_is_the_scalar_transform_bit_for_bit():
 
     @njit(fastmath=True)
     def scalar(v, sign, inverse):
-        HD = v.shape[0]
-        norm = 1.0 / np.sqrt(HD)
-        if not inverse:
-            for i in range(HD):
-                v[i] *= sign[i]
-        _butterfly(v)
-        for i in range(HD):
-            v[i] *= norm * sign[i] if inverse else norm
+        _fwht_loops(v, sign, inverse)
 
     rng = np.random.default_rng(11)
     for n in FWHT_SIZES:
