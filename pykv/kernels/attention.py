@@ -67,6 +67,7 @@ PF_AHEAD = 2       # segments ahead whose pool rows are prefetched
 QBLOCK = 8         # query tokens per work item in prefill
 _Z = np.int64(0)    # a constant int64 argument (a literal 0 would compile a second _item / merge_row)
 SERIAL_KEYS = 384  # decode steps with at most this many (keys x KV heads) run on the calling thread
+CHUNK_MIN = 256    # keys a decode work item takes at least (KVCache.chunk_for; a batched step: fewer, longer items)
 _FM = {"reassoc", "contract", "nsz", "arcp"}   # no nnan / ninf: -inf is a real state here
 S_ROWS = 16        # a work item's scratch is in its stack frame up to S_ROWS query rows and head_dim S_HD
                    # (~90 KB of stack a work item: thread stacks are MBs)
@@ -329,6 +330,24 @@ def _ring_code(width, HD, rcode):
     return CODE_NL4
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _fetch_segment(kpool, vpool, page_table, g, f, j1, P, rbk, rbv, nq_k, nq_v, kbits):
+    """Prefetch the pool rows of KV head g's keys f .. (to the end of f's page, j1, or TILE keys) where
+    they are pool rows (f < nq_k / nq_v; KIVI keys excepted); returns how many keys that segment holds."""
+    pg = page_table[f // P]
+    s = f - (f // P) * P
+    n = min(j1 - f, P - s, TILE)
+    if f < nq_k and kbits == 0:
+        kp = kpool[g, pg]
+        for o in range(s * rbk, (s + n) * rbk, 64):
+            prefetch(kp, o)
+    if f < nq_v:
+        vp = vpool[g, pg]
+        for o in range(s * rbv, (s + n) * rbv, 64):
+            prefetch(vp, o)
+    return n
+
+
 @njit(cache=True, nogil=True, fastmath=_FM)
 def _item(q, kpool, vpool, kres, vres, ksink, vsink, page_table, n_past, ns_k, ns_v, nq_k, nq_v, wk, wv, P,
           kcode, kbits, vcode, rcode, g, t0, t1, j0, j1, part, c, kx, cos, sin, mt):
@@ -402,6 +421,9 @@ def _item(q, kpool, vpool, kres, vres, ksink, vsink, page_table, n_past, ns_k, n
     whi_k = n_past + t1 - wk                     # row, keys from whi on ring rows for every row
     wlo_v = n_past + t0 + 1 - wv
     whi_v = n_past + t1 - wv
+    f = j0          # this item's first PF_AHEAD segments' pool rows, fetched together (not a miss at a time)
+    while f < j0 + TILE * PF_AHEAD and f < j1 and (f < nq_k or f < nq_v):
+        f += _fetch_segment(kpool, vpool, page_table, g, f, j1, P, rbk, rbv, nq_k, nq_v, kbits)
     j = j0
     while j < j1:
         pg = j // P
@@ -440,17 +462,7 @@ def _item(q, kpool, vpool, kres, vres, ksink, vsink, page_table, n_past, ns_k, n
         page = page_table[pg] if (j < nq_k or j < nq_v) else 0
         f = e + TILE * (PF_AHEAD - 1)
         if f < j1 and (f < nq_k or f < nq_v):     # a later segment's pool rows, fetched meanwhile
-            pg2 = page_table[f // P]
-            s2 = f - (f // P) * P
-            n2 = min(j1 - f, P - s2, TILE)
-            if f < nq_k and kbits == 0:
-                kp = kpool[g, pg2]
-                for o in range(s2 * rbk, (s2 + n2) * rbk, 64):
-                    prefetch(kp, o)
-            if f < nq_v:
-                vp = vpool[g, pg2]
-                for o in range(s2 * rbv, (s2 + n2) * rbv, 64):
-                    prefetch(vp, o)
+            _fetch_segment(kpool, vpool, page_table, g, f, j1, P, rbk, rbv, nq_k, nq_v, kbits)
         # ---- K: f16 rows (sinks, ring, an f16 pool) are read in place (kdir), others through the tile kt
         if j < ns_k:                                 # attention-sink tokens: exact f16 copies
             ksrc = ksink[g].reshape(NS * rbr)

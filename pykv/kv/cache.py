@@ -188,6 +188,8 @@ class KVCache:
         # decode steps with at most this many (keys x KV heads) run attention on the calling thread
         # (the CPU kernel's SERIAL_KEYS; a device backend has none)
         self._serial_keys = getattr(be.attention, "SERIAL_KEYS", 0)
+        # and split a decode step's keys into chunks of at least this many (the CPU kernel's CHUNK_MIN)
+        self._chunk_min = getattr(be.attention, "CHUNK_MIN", 0)
         self._tmp = be.zeros((KVH, self.P, HD), np.float32)
         self._stage = {}     # "k"|"v" -> f16 rows (KVH, W + T, 2*HD) of a prefill batch and its window
         self._fold = None    # per layer: its decode attention can run inside the chain (fold_args)
@@ -546,12 +548,14 @@ class KVCache:
         """Keys per attention work item. Decode (T == 1) splits one long sequence into about
         CHUNKS_PER_THREAD chunks per worker (the backend's: on the CPU the CPUs the process may use, not
         the threads in use, so that the bits do not depend on the thread count) over the KV heads so every
-        core works on it; prefill already has many query blocks, so one chunk."""
+        core works on it, in chunks of at least the backend's CHUNK_MIN keys (a batched step's many
+        sequences fill the threads: shorter chunks only add items); prefill already has many query blocks,
+        so one chunk."""
         P, KVH = self.P, self.cfg.n_kv_heads
         if T > 1 or n_tot * KVH <= self._serial_keys:   # one chunk: a serial decode step splits for nothing
             return P * -(-n_tot // P)
         want = max(1, (CHUNKS_PER_THREAD * workers) // KVH)
-        return P * max(1, -(-n_tot // (P * want)))
+        return P * max(1, -(-n_tot // (P * want)), -(-self._chunk_min // P))
 
     def fold_static(self, li: int, cos, sin, part, n_rot: int, qmul):
         """Layer li's decode-chain attention arguments (kernels.chain.bind's kv): (k_pool, v_pool, the
