@@ -128,10 +128,12 @@ def _bytes(builder, v):
     return builder.bitcast(v, _vec(I8, 4 * L))
 
 
-def _bdot(builder, pairs, umax, scale=None, signed=False):
+def _bdot(builder, pairs, umax, scale=None, signed=False, xsum=None):
     """<L x i32>: for each lane, sum over (w, x) in pairs of the 4-byte dot of w's and x's bytes
     (<4L x i8> each), times scale (<L x i32>, |scale| < 2**15) when given.
-    x: int8 in -127..127.  w: unsigned bytes 0..umax, or signed int8 (signed=True)."""
+    x: int8 in -127..127.  w: unsigned bytes 0..umax, or signed int8 (signed=True).  xsum (signed, VNNI):
+    <L x i32> splat of the sum of every x byte in pairs (the activation block's xs), which spares the
+    dots of the correction term below."""
     n4 = 4 * L
     vi = _vec(I32, L)
     zero = ir.Constant(vi, [0] * L)
@@ -143,10 +145,11 @@ def _bdot(builder, pairs, umax, scale=None, signed=False):
             xi = builder.bitcast(x, vi)
             if signed:     # (w + 128) . x - 128 * sum(x): the second term is the same for every row tile
                 w = builder.xor(w, ir.Constant(_vec(I8, n4), [-128] * n4))
-                corr = _call(builder, name, vi, [corr, ir.Constant(vi, [0x80808080 - (1 << 32)] * L), xi])
+                if xsum is None:
+                    corr = _call(builder, name, vi, [corr, ir.Constant(vi, [0x80808080 - (1 << 32)] * L), xi])
             acc = _call(builder, name, vi, [acc, builder.bitcast(w, vi), xi])
         if signed:
-            acc = builder.sub(acc, corr)
+            acc = builder.sub(acc, corr if xsum is None else builder.shl(xsum, ir.Constant(vi, [7] * L)))
         return acc if scale is None else builder.mul(acc, scale)
     if ISA == "avx2":
         v16 = _vec(I16, 2 * L)
@@ -268,6 +271,7 @@ def _tile_dot(fmt, nt=1):
     q5 = fmt in ("q5", "q50")                  # with the fifth (high bit) group
     z = {"q40": 8, "q50": 16}.get(fmt, 0)      # offset form: no m
     hasm = q4 and not z and not nl
+    sgn = nl or not q4                         # signed weight bytes (the dot's offset form takes xs)
     nsc = 2 if hasm else 1                     # f16 scales per row per block
     groups = 4 if q4 else 8
     stride = (groups + q5) * 4                 # bytes per row per block
@@ -300,11 +304,13 @@ def _tile_dot(fmt, nt=1):
                 _next_tile(builder, pf, b, npass, qtp, builder.mul(nbv, _c(stride * R)), qb, stride * R)
                 _next_tile(builder, pf, b, npass, builder.bitcast(scp, I8.as_pointer()),
                            builder.mul(nbv, _c(nsc * R * 2)), builder.mul(b, _c(nsc * R * 2)), nsc * R * 2)
-                xdb, xfb, zxs = {}, {}, {}      # per token n
+                xdb, xfb, zxs, xsb = {}, {}, {}, {}      # per token n
                 for n in ns:
                     xdv = _ld(builder, xdp[n], b, F32, 4)
                     xdb[n] = _splat(builder, xdv, L)
                     xa_n = _ld(builder, xap[n], b, I32, 4)
+                    if sgn:
+                        xsb[n] = _splat(builder, xa_n, L)
                     if hasm:
                         xfb[n] = _splat(builder, builder.fmul(xdv, builder.sitofp(xa_n, F32)), L)
                     if z:
@@ -348,7 +354,7 @@ def _tile_dot(fmt, nt=1):
                     for n in ns:
                         xn = xs[n] if xs is not None else \
                             [_bcast4(builder, xqp[n], builder.add(xb, _c(o))) for o in offs]
-                        a = _bdot(builder, list(zip(ws, xn)), 31 if q5 else 15, signed=nl or not q4)
+                        a = _bdot(builder, list(zip(ws, xn)), 31 if q5 else 15, signed=sgn, xsum=xsb.get(n))
                         if z:
                             a = builder.sub(a, zxs[n])
                         s = builder.fadd(builder.load(sums[n][k]),
