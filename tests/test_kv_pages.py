@@ -116,3 +116,23 @@ def test_export_import_round_trip_and_budget():
     # a pool of 2 contexts: a third full sequence does not fit
     with pytest.raises(PykvError, match="KV budget exhausted"):
         _feed(c, c.new_sequence(), 64, rng)
+
+
+def test_decode_chunks_split_long_sequences_not_short_ones():
+    """chunk_for (decode, the CPU kernel's SERIAL_KEYS / CHUNK_MIN): whole pages; no split of a sequence
+    shorter than CHUNK_MIN keys (a batched step's items stay long); a long one split over the workers."""
+    from pykv.kernels.attention import CHUNK_MIN, SERIAL_KEYS
+    c = KVCache(CFG, 8192, "f16", "f16", page_tokens=P, max_seqs=2)
+    KVH = CFG.n_kv_heads
+    for n in (1, SERIAL_KEYS // KVH, SERIAL_KEYS // KVH + 1, CHUNK_MIN - 1, CHUNK_MIN + 5, 4096, 8000):
+        for workers in (1, 2, 8):
+            ch = c.chunk_for(n, 1, workers)
+            assert ch % P == 0 and ch > 0
+            C = -(-n // ch)
+            if n <= CHUNK_MIN:
+                assert C == 1, (n, workers, ch)
+            else:
+                assert ch >= CHUNK_MIN
+    # a long sequence: about CHUNKS_PER_THREAD chunks per worker over the KV heads
+    assert -(-4096 // c.chunk_for(4096, 1, 8)) > -(-4096 // c.chunk_for(4096, 1, 1)) > 1
+    assert c.chunk_for(100, 4, 8) == P * -(-100 // P)          # prefill: one chunk
