@@ -67,11 +67,12 @@ from pykv.files.formats import (CODE_BF16, CODE_F16, CODE_F32, CODE_FP8_E4M3, CO
                        CODE_INT4, CODE_IQ4_NL, CODE_Q4_0, CODE_Q4_1, CODE_Q5_0, CODE_Q5_1, CODE_Q8_0)
 from pykv.kernels.blocks import (IQ4NL_F, NL_BYTES, NL_SCALE, TC_ROW, deq_rows, nl_e8, nl_level, nl_offset,
                                  nl_width, rd_f16, tc_len)
-from pykv.kernels.ops import PAR_T, qkv_prep_seqs
+from pykv.kernels.ops import PAR_T, _qkv_prep_seq, qkv_prep_seqs
 from pykv.kernels.simd import bits_f32, f16_store32, f32_bits, floorf, fmul_rn, h2f
 from pykv.kernels.trellis import TC_PERM, tc_viterbi
 
 PAR_SEQ_VALUES = 1 << 15   # append_seqs: K values per step from which its rows run in parallel
+PAR_PREP_SEQS = 4          # prep_append_seqs: sequences from which they run on the threads (cold rows and code)
 
 # ----------------------------------------------------------------------------------------------
 # bit casts and scalar helpers
@@ -820,13 +821,22 @@ def append_seqs(k, v, kpool, vpool, page_tables, pos, P, kcode, vcode):
             _append_seq_row(v, vpool, page_tables, pos, P, vcode, s, g)
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, parallel=True)
 def prep_append_seqs(q, k, v, pos, cos, sin, n_rot, shift, scale, li, smooth, sign, rotate, qmul, kpool, vpool,
                      page_tables, P, kcode, vcode):
     """ops.qkv_prep_seqs(q, k, v, pos, ... qmul), then append_seqs(k, v, kpool, ... vcode): a decode
-    group's RoPE, smoothing, rotation and K / V appends (the GPU twin runs them as one launch)."""
-    qkv_prep_seqs(q, k, v, pos, cos, sin, n_rot, shift, scale, li, smooth, sign, rotate, qmul)
-    append_seqs(k, v, kpool, vpool, page_tables, pos, P, kcode, vcode)
+    group's RoPE, smoothing, rotation and K / V appends (the GPU twin runs them as one launch).  From
+    PAR_PREP_SEQS sequences a thread takes whole sequences (each row's own functions: the same bits)."""
+    S, KVH = q.shape[0], k.shape[1]
+    if S >= PAR_PREP_SEQS:
+        for s in prange(S):
+            _qkv_prep_seq(q, k, v, pos, cos, sin, n_rot, shift, scale, li, smooth, sign, rotate, qmul, s)
+            for g in range(KVH):
+                _append_seq_row(k, kpool, page_tables, pos, P, kcode, s, g)
+                _append_seq_row(v, vpool, page_tables, pos, P, vcode, s, g)
+    else:
+        qkv_prep_seqs(q, k, v, pos, cos, sin, n_rot, shift, scale, li, smooth, sign, rotate, qmul)
+        append_seqs(k, v, kpool, vpool, page_tables, pos, P, kcode, vcode)
 
 
 @njit(cache=True, nogil=True)

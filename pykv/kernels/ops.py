@@ -170,8 +170,14 @@ def qkv_prep_seqs(q, k, v, pos, cos, sin, n_rot, shift, scale, li, smooth, sign,
     k, v (S, KVH, HD)) is at position pos[s] with its sequence's key smoothing shift[s, li], scale[s, li]
     ((S, L, KVH, HD)); each row runs qkv_prep's own code, so its bits are the sequence's own step's."""
     for s in range(q.shape[0]):
-        qkv_prep(q[s:s + 1], k[s:s + 1], v[s:s + 1], pos[s], cos, sin, n_rot, np.bool_(True), shift[s, li], scale[s, li],
-                 smooth, sign, rotate, qmul)
+        _qkv_prep_seq(q, k, v, pos, cos, sin, n_rot, shift, scale, li, smooth, sign, rotate, qmul, s)
+
+
+@njit(cache=True, nogil=True, fastmath=True, error_model="numpy", inline="always")
+def _qkv_prep_seq(q, k, v, pos, cos, sin, n_rot, shift, scale, li, smooth, sign, rotate, qmul, s):
+    """qkv_prep_seqs' row s (kvquant.prep_append_seqs runs the rows on the threads)."""
+    qkv_prep(q[s:s + 1], k[s:s + 1], v[s:s + 1], pos[s], cos, sin, n_rot, np.bool_(True), shift[s, li], scale[s, li],
+             smooth, sign, rotate, qmul)
 
 
 @njit(cache=True, nogil=True, fastmath=True)
