@@ -350,14 +350,18 @@ def _fetch_segment(kpool, vpool, page_table, g, f, j1, P, rbk, rbv, nq_k, nq_v, 
 
 @njit(cache=True, nogil=True, fastmath=_FM)
 def _item(q, kpool, vpool, kres, vres, ksink, vsink, page_table, n_past, ns_k, ns_v, nq_k, nq_v, wk, wv, P,
-          kcode, kbits, vcode, rcode, g, t0, t1, j0, j1, part, c, kx, cos, sin, mt):
+          kcode, kbits, vcode, rcode, g, t0, t1, j0, j1, part, c, kx, cos, sin, npt, ng, nj0, nj1, mt):
     """Keys [j0, j1) (already clipped to the causal end of query t1 - 1) for query tokens [t0, t1) and
     the G heads of KV head g; (m, l, acc) per query row -> part[t, g, c, gi].
     wk > 0 (wv > 0): token-adaptive window, row x reads key (value) j from the f16 ring when
     j >= lim[x] - wk, else from the pool: every query of a prefill batch sees what its own decode
     step would.  Only the <= QBLOCK keys where the rows disagree decode both tiles (kt2 / vt2).
     kx (see attend): the pre-RoPE key transform (applied to every decoded K tile: sink, ring, pool),
-    or no rows.  mt (a literal: one specialization each): the GEMM micro-tiles (_scores_mk / _accum_mk)
+    or no rows.  npt, ng, nj0, nj1: the work item its thread runs next (keys nj0 .. nj1 of KV head ng through
+    page table npt; nj1 <= nj0: none), whose first segments this item's last ones prefetch: the thread's
+    stream of pool rows goes on between items.  A segment's keys are fetched at the top of the segment
+    PF_AHEAD - 1 before, its values before that one's V (two smaller bursts: the core stalls less on a
+    full miss queue).  mt (a literal: one specialization each): the GEMM micro-tiles (_scores_mk / _accum_mk)
     may run, for >= 8 rows on float K and V tiles without a window (prefill); decode passes False, and
     its specialization holds none of their code (which slowed decode down)."""
     H, HD = q.shape[1], q.shape[2]
@@ -425,6 +429,7 @@ def _item(q, kpool, vpool, kres, vres, ksink, vsink, page_table, n_past, ns_k, n
     while f < j0 + TILE * PF_AHEAD and f < j1 and (f < nq_k or f < nq_v):
         f += _fetch_segment(kpool, vpool, page_table, g, f, j1, P, rbk, rbv, nq_k, nq_v, kbits)
     j = j0
+    nf = nj0        # the next item's keys prefetched so far
     while j < j1:
         pg = j // P
         sp = j - pg * P                              # slot in the page
@@ -461,8 +466,15 @@ def _item(q, kpool, vpool, kres, vres, ksink, vsink, page_table, n_past, ns_k, n
             xlo += 1
         page = page_table[pg] if (j < nq_k or j < nq_v) else 0
         f = e + TILE * (PF_AHEAD - 1)
+        vf = -1                                      # the segment whose values are fetched before V (keys now)
+        vnx = False
         if f < j1 and (f < nq_k or f < nq_v):     # a later segment's pool rows, fetched meanwhile
-            _fetch_segment(kpool, vpool, page_table, g, f, j1, P, rbk, rbv, nq_k, nq_v, kbits)
+            _fetch_segment(kpool, vpool, page_table, g, f, j1, P, rbk, rbv, nq_k, _Z, kbits)
+            vf = f
+        elif nf < nj1 and nf < nj0 + TILE * PF_AHEAD:     # past the end: the next item's first segments
+            vf = nf
+            vnx = True
+            nf += _fetch_segment(kpool, vpool, npt, ng, nf, nj1, P, rbk, rbv, nj1, _Z, kbits)
         # ---- K: f16 rows (sinks, ring, an f16 pool) are read in place (kdir), others through the tile kt
         if j < ns_k:                                 # attention-sink tokens: exact f16 copies
             ksrc = ksink[g].reshape(NS * rbr)
@@ -545,6 +557,10 @@ def _item(q, kpool, vpool, kres, vres, ksink, vsink, page_table, n_past, ns_k, n
                 s[x, r] = np.float32(0.0)
             lrow[x] += ls
         # ---- V: f16 rows read in place (vdir), others through the tile vt
+        if vnx:
+            _fetch_segment(kpool, vpool, npt, ng, vf, nj1, P, rbk, rbv, _Z, nj1, kbits)
+        elif vf >= 0:
+            _fetch_segment(kpool, vpool, page_table, g, vf, j1, P, rbk, rbv, _Z, nq_v, kbits)
         if j < ns_v:
             vsrc = vsink[g].reshape(NS * rbr)
             vo, vrb, vc = j * rbr, rbr, rcode
@@ -653,12 +669,15 @@ def _work(q, kpool, vpool, kres, vres, ksink, vsink, page_table, n_past, ns_k, n
     t1 = min(t0 + QB, T)
     j0 = c * chunk
     j1 = min(j0 + chunk, n_past + t1)
+    # (page_table, 0, 0, 0: no next item to prefetch; attend's items go to the threads in zig-zag order)
     if QB > 1:       # a prefill: the specialization of _item with its GEMM micro-tiles
         _call_item((q, kpool, vpool, kres, vres, ksink, vsink, page_table, n_past, ns_k, ns_v, nq_k, nq_v, wk, wv,
-                    P, kcode, kbits, vcode, rcode, g, t0, t1, j0, j1, part, c, kx, cos, sin), True)
+                    P, kcode, kbits, vcode, rcode, g, t0, t1, j0, j1, part, c, kx, cos, sin, page_table, _Z, _Z,
+                    _Z), True)
     else:
         _call_item((q, kpool, vpool, kres, vres, ksink, vsink, page_table, n_past, ns_k, ns_v, nq_k, nq_v, wk, wv,
-                    P, kcode, kbits, vcode, rcode, g, t0, t1, j0, j1, part, c, kx, cos, sin), False)
+                    P, kcode, kbits, vcode, rcode, g, t0, t1, j0, j1, part, c, kx, cos, sin, page_table, _Z, _Z,
+                    _Z), False)
 
 
 @njit(cache=True, nogil=True, parallel=True, fastmath=_FM)
@@ -814,22 +833,34 @@ def attend_seqs(q, kpool, vpool, kres, vres, sinks, li, ns_k, ns_v, page_tables,
         merge_row(ps, C, G, _Z, out[s])
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _seq_keys(meta, items, i):
+    """Work item items[i] of attend_seqs: (sequence s, KV head g, key chunk c, its keys a0 .. a1)."""
+    s, it = items[i, 0], items[i, 1]
+    n_tot, chunk = meta[s, 0] + 1, meta[s, 1]
+    C = (n_tot + chunk - 1) // chunk
+    c = it % C
+    a0 = c * chunk
+    return s, it // C, c, a0, min(a0 + chunk, n_tot)
+
+
 @njit(cache=True, nogil=True, fastmath=_FM)
 def _seq_item(q, kpool, vpool, kres, vres, sinks, li, ns_k, ns_v, page_tables, meta, items, P, kcode, kbits, vcode,
               rcode, part, kx, cos, sin, i, KVH, G, HD):
     """Work item items[i] of attend_seqs: attend's decode item (KV head, key chunk) of one sequence,
-    calling _item as the decode chain does (kernels.chain: the same bits as attend)."""
-    s, it = items[i, 0], items[i, 1]
+    calling _item as the decode chain does (kernels.chain: the same bits as attend); items[i + 1]'s first
+    segments are prefetched at its end (a thread's static share of the items runs them in order)."""
+    s, g, c, a0, a1 = _seq_keys(meta, items, i)
     n_past, chunk, off = meta[s, 0], meta[s, 1], meta[s, 2]
     n_tot = n_past + 1
     C = (n_tot + chunk - 1) // chunk
     ps = part[off:off + KVH * C * G * (HD + 2)].reshape((1, KVH, C, G, HD + 2))
-    c = it % C
-    g = it // C
-    a0 = c * chunk
+    s2, g2, b0, b1 = s, _Z, _Z, _Z
+    if i + 1 < items.shape[0]:
+        s2, g2, _, b0, b1 = _seq_keys(meta, items, i + 1)
     _item(q[s], kpool, vpool, kres, vres, sinks[s, li, 0], sinks[s, li, 1], page_tables[s], n_past, ns_k, ns_v,
-          n_tot, n_tot, _Z, _Z, P, kcode, kbits, vcode, rcode, g, _Z, np.int64(1), a0, min(a0 + chunk, n_tot), ps, c,
-          kx, cos, sin, False)
+          n_tot, n_tot, _Z, _Z, P, kcode, kbits, vcode, rcode, g, _Z, np.int64(1), a0, a1, ps, c,
+          kx, cos, sin, page_tables[s2], g2, b0, b1, False)
 
 
 def attend_batch(q, kpool, vpool, kres, vres, ksink, vsink, page_tables, meta, P, kcode, kbits, vcode, rcode,

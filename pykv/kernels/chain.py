@@ -192,11 +192,12 @@ def _attn(s, j0, j1, rotate, n_past, chunk, ns_k, ns_v, li, smooth, K, pt, ksink
     elif s == 9:
         for it in range(j0, j1):           # attend's work item it (one query block): KV head, key chunk
             c = it % C
-            g = it // C
             a0 = c * chunk
+            b0 = ((it + 1) % C) * chunk    # the next item's keys (it + 1 < j1; else none), prefetched at its end
+            b1 = min(b0 + chunk, n_tot) if it + 1 < j1 else b0
             _att_item(q, kpool, vpool, kres, vres, ksink, vsink, pt, n_past, ns_k, ns_v, n_tot, n_tot, _I0, _I0,
-                      Pg, kcode, kbits, vcode, rcode, g, _I0, np.int64(1), a0, min(a0 + chunk, n_tot), pv, c, kx,
-                      kcos, ksin, False)     # False: attend's decode specialization of _item (a literal)
+                      Pg, kcode, kbits, vcode, rcode, it // C, _I0, np.int64(1), a0, min(a0 + chunk, n_tot), pv, c, kx,
+                      kcos, ksin, pt, (it + 1) // C, b0, b1, False)   # False: attend's decode specialization
     else:
         merge_row(pv, C, G, _I0, att)
 
