@@ -835,13 +835,13 @@ def attend_seqs(q, kpool, vpool, kres, vres, sinks, li, ns_k, ns_v, page_tables,
 
 @njit(cache=True, nogil=True, inline="always")
 def _seq_keys(meta, items, i):
-    """Work item items[i] of attend_seqs: (sequence s, KV head g, key chunk c, its keys a0 .. a1)."""
+    """Work item items[i] of attend_seqs: (sequence s, KV head g, key chunk c of C, its keys a0 .. a1)."""
     s, it = items[i, 0], items[i, 1]
     n_tot, chunk = meta[s, 0] + 1, meta[s, 1]
     C = (n_tot + chunk - 1) // chunk
     c = it % C
     a0 = c * chunk
-    return s, it // C, c, a0, min(a0 + chunk, n_tot)
+    return s, it // C, c, C, a0, min(a0 + chunk, n_tot)
 
 
 @njit(cache=True, nogil=True, fastmath=_FM)
@@ -850,16 +850,14 @@ def _seq_item(q, kpool, vpool, kres, vres, sinks, li, ns_k, ns_v, page_tables, m
     """Work item items[i] of attend_seqs: attend's decode item (KV head, key chunk) of one sequence,
     calling _item as the decode chain does (kernels.chain: the same bits as attend); items[i + 1]'s first
     segments are prefetched at its end (a thread's static share of the items runs them in order)."""
-    s, g, c, a0, a1 = _seq_keys(meta, items, i)
-    n_past, chunk, off = meta[s, 0], meta[s, 1], meta[s, 2]
-    n_tot = n_past + 1
-    C = (n_tot + chunk - 1) // chunk
+    s, g, c, C, a0, a1 = _seq_keys(meta, items, i)
+    n_past, off = meta[s, 0], meta[s, 2]
     ps = part[off:off + KVH * C * G * (HD + 2)].reshape((1, KVH, C, G, HD + 2))
     s2, g2, b0, b1 = s, _Z, _Z, _Z
     if i + 1 < items.shape[0]:
-        s2, g2, _, b0, b1 = _seq_keys(meta, items, i + 1)
+        s2, g2, _, _, b0, b1 = _seq_keys(meta, items, i + 1)
     _item(q[s], kpool, vpool, kres, vres, sinks[s, li, 0], sinks[s, li, 1], page_tables[s], n_past, ns_k, ns_v,
-          n_tot, n_tot, _Z, _Z, P, kcode, kbits, vcode, rcode, g, _Z, np.int64(1), a0, a1, ps, c,
+          n_past + 1, n_past + 1, _Z, _Z, P, kcode, kbits, vcode, rcode, g, _Z, np.int64(1), a0, a1, ps, c,
           kx, cos, sin, page_tables[s2], g2, b0, b1, False)
 
 
