@@ -59,8 +59,8 @@ from pykv.kernels import folder_lock
 from pykv.kernels.blocks import deq_kivi_k_rows, deq_rows
 from pykv.kernels.kvdot import UNIT, accum_q8_0_1, accum_q8_0_3, scores_q8_0_1, scores_q8_0_3
 from pykv.kernels.ops import _fwht_vec, _rope_vec, exp_neg
-from pykv.kernels.attn_rows import VW, pv as _pv, qk as _qk
-from pykv.kernels.simd import bits_f32, gemm_tile, prefetch, stack_array
+from pykv.kernels.attn_rows import VW, pf_rows, pv as _pv, qk as _qk
+from pykv.kernels.simd import bits_f32, gemm_tile, stack_array
 
 TILE = 32          # keys per segment (the f32 K and V tiles: TILE x HD floats each)
 PF_AHEAD = 2       # segments ahead whose pool rows are prefetched
@@ -331,20 +331,21 @@ def _ring_code(width, HD, rcode):
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _fetch_segment(kpool, vpool, page_table, g, f, j1, P, rbk, rbv, nq_k, nq_v, kbits):
-    """Prefetch the pool rows of KV head g's keys f .. (to the end of f's page, j1, or TILE keys) where
-    they are pool rows (f < nq_k / nq_v; KIVI keys excepted); returns how many keys that segment holds."""
+def _seg_rows(page_table, f, j1, P, rbk, rbv, nq_k, nq_v, kbits):
+    """The pool rows of keys f .. (to the end of f's page, j1, or TILE keys), for attn_rows.pf_rows: (page,
+    keys n, key byte offset, key row bytes, value offset, value row bytes); row bytes 0 where they are
+    not pool rows (f >= nq_k / nq_v; KIVI keys)."""
     pg = page_table[f // P]
     s = f - (f // P) * P
     n = min(j1 - f, P - s, TILE)
-    if f < nq_k and kbits == 0:
-        kp = kpool[g, pg]
-        for o in range(s * rbk, (s + n) * rbk, 64):
-            prefetch(kp, o)
-    if f < nq_v:
-        vp = vpool[g, pg]
-        for o in range(s * rbv, (s + n) * rbv, 64):
-            prefetch(vp, o)
+    return pg, n, s * rbk, (rbk if f < nq_k and kbits == 0 else 0), s * rbv, (rbv if f < nq_v else 0)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _fetch_segment(kpool, vpool, page_table, g, f, j1, P, rbk, rbv, nq_k, nq_v, kbits):
+    """Prefetch KV head g's segment from key f (_seg_rows) in one burst; returns how many keys it holds."""
+    pg, n, ko, rk, vo, rv = _seg_rows(page_table, f, j1, P, rbk, rbv, nq_k, nq_v, kbits)
+    pf_rows(kpool[g, pg], ko, rk, vpool[g, pg], vo, rv, 0, n)
     return n
 
 
@@ -359,9 +360,10 @@ def _item(q, kpool, vpool, kres, vres, ksink, vsink, page_table, n_past, ns_k, n
     kx (see attend): the pre-RoPE key transform (applied to every decoded K tile: sink, ring, pool),
     or no rows.  npt, ng, nj0, nj1: the work item its thread runs next (keys nj0 .. nj1 of KV head ng through
     page table npt; nj1 <= nj0: none), whose first segments this item's last ones prefetch: the thread's
-    stream of pool rows goes on between items.  A segment's keys are fetched at the top of the segment
-    PF_AHEAD - 1 before, its values before that one's V (two smaller bursts: the core stalls less on a
-    full miss queue).  mt (a literal: one specialization each): the GEMM micro-tiles (_scores_mk / _accum_mk)
+    stream of pool rows goes on between items.  The segment PF_AHEAD - 1 after the next one is fetched
+    meanwhile: its keys at the top of the segment (on f16 rows read in place, kdir: a group at a time in
+    _qk's pass, so the core does not wait on a full miss queue as it did on a burst of 64 lines), its
+    values before this one's V.  mt (a literal: one specialization each): the GEMM micro-tiles (_scores_mk / _accum_mk)
     may run, for >= 8 rows on float K and V tiles without a window (prefill); decode passes False, and
     its specialization holds none of their code (which slowed decode down)."""
     H, HD = q.shape[1], q.shape[2]
@@ -465,16 +467,6 @@ def _item(q, kpool, vpool, kres, vres, ksink, vsink, page_table, n_past, ns_k, n
         while xlo < R - 1 and lim[xlo] <= j:
             xlo += 1
         page = page_table[pg] if (j < nq_k or j < nq_v) else 0
-        f = e + TILE * (PF_AHEAD - 1)
-        vf = -1                                      # the segment whose values are fetched before V (keys now)
-        vnx = False
-        if f < j1 and (f < nq_k or f < nq_v):     # a later segment's pool rows, fetched meanwhile
-            _fetch_segment(kpool, vpool, page_table, g, f, j1, P, rbk, rbv, nq_k, _Z, kbits)
-            vf = f
-        elif nf < nj1 and nf < nj0 + TILE * PF_AHEAD:     # past the end: the next item's first segments
-            vf = nf
-            vnx = True
-            nf += _fetch_segment(kpool, vpool, npt, ng, nf, nj1, P, rbk, rbv, nj1, _Z, kbits)
         # ---- K: f16 rows (sinks, ring, an f16 pool) are read in place (kdir), others through the tile kt
         if j < ns_k:                                 # attention-sink tokens: exact f16 copies
             ksrc = ksink[g].reshape(NS * rbr)
@@ -486,6 +478,20 @@ def _item(q, kpool, vpool, kres, vres, ksink, vsink, page_table, n_past, ns_k, n
             ksrc = kpool[g, page]
             ko, krb, kc = sp * rbk, rbk, kcode
         kdir = vec and not gm and kx.shape[0] == 0 and kc == rcode
+        # a later segment's pool rows, fetched meanwhile (see the doc): this item's, or past its end the
+        # first segments of the next item
+        f = e + TILE * (PF_AHEAD - 1)
+        pn, pko, prk, pvo, prv, ppg, pgh = 0, 0, 0, 0, 0, 0, g
+        if f < j1 and (f < nq_k or f < nq_v):
+            ppg, pn, pko, prk, pvo, prv = _seg_rows(page_table, f, j1, P, rbk, rbv, nq_k, nq_v, kbits)
+        elif nf < nj1 and nf < nj0 + TILE * PF_AHEAD:
+            ppg, pn, pko, prk, pvo, prv = _seg_rows(npt, nf, nj1, P, rbk, rbv, nj1, nj1, kbits)
+            pgh = ng
+            nf += pn
+        tk = kpool[pgh, ppg]
+        tv = vpool[pgh, ppg]
+        if not kdir:
+            pf_rows(tk, pko, prk, tk, 0, 0, 0, pn)
         if kdir:
             pass
         elif j < ns_k or j >= nq_k or (wk > 0 and j >= whi_k):
@@ -517,9 +523,9 @@ def _item(q, kpool, vpool, kres, vres, ksink, vsink, page_table, n_past, ns_k, n
             _scores_mk(kt, n, qbT, sT, R, s)
         sdone = kdir or (vec and not gm and not kint and not kmix)    # every row's n scores by _qk
         if kdir:
-            _qk(qb, R, ksrc, ko, krb, n, s)
+            _qk(qb, R, ksrc, ko, krb, n, s, tk, pko, prk, pn)       # with the later segment's keys
         elif sdone:
-            _qk(qb, R, kt, 0, HD * 4, n, s)
+            _qk(qb, R, kt, 0, HD * 4, n, s, kpool[g, 0], 0, 0, 0)
         x3 = R if kmix or kint or mts or sdone else 0
         while x3 + 3 <= R and min(lim[x3], lim[x3 + 1], lim[x3 + 2]) - j >= n:
             _scores3(qb[x3], qb[x3 + 1], qb[x3 + 2], kt, n, s[x3], s[x3 + 1], s[x3 + 2])
@@ -557,10 +563,7 @@ def _item(q, kpool, vpool, kres, vres, ksink, vsink, page_table, n_past, ns_k, n
                 s[x, r] = np.float32(0.0)
             lrow[x] += ls
         # ---- V: f16 rows read in place (vdir), others through the tile vt
-        if vnx:
-            _fetch_segment(kpool, vpool, npt, ng, vf, nj1, P, rbk, rbv, _Z, nj1, kbits)
-        elif vf >= 0:
-            _fetch_segment(kpool, vpool, page_table, g, vf, j1, P, rbk, rbv, _Z, nq_v, kbits)
+        pf_rows(tv, 0, 0, tv, pvo, prv, 0, pn)       # the later segment's values
         if j < ns_v:
             vsrc = vsink[g].reshape(NS * rbr)
             vo, vrb, vc = j * rbr, rbr, rcode

@@ -7,7 +7,7 @@ decoded into.  The loops here only pick the calls: rows in threes, then the last
 QK_KG, then one at a time; output channels in PV_NV * VW, then VW at a time."""
 from numba import njit
 
-from pykv.kernels.simd import pv_rows, qk_rows
+from pykv.kernels.simd import prefetch, pv_rows, qk_rows
 from pykv.kernels.tiles import L as VW
 
 QK_KG = 8 if VW == 16 else 4      # keys per qk_rows call (3 rows x QK_KG accumulators in registers)
@@ -18,13 +18,32 @@ _PVa, _PVb, _PVc = (pv_rows(rb, PV_NV, VW) for rb in (1, 2, 3))     # 1, 2, 3 ro
 _PV1a, _PV1b, _PV1c = (pv_rows(rb, 1, VW) for rb in (1, 2, 3))      # x one vector (HD's rest)
 
 
+@njit(cache=True, nogil=True, inline="always")
+def pf_rows(kp, ko, rk, vp, vo, rv, a, b):
+    """Prefetch rows a .. b-1 of a later segment: key rows at byte ko + r * rk of kp (rk 0: none), value
+    rows at vo + r * rv of vp (rv 0: none)."""
+    if rk > 0:
+        for o in range((ko + a * rk) // 64 * 64, ko + b * rk, 64):
+            prefetch(kp, o)
+    if rv > 0:
+        for o in range((vo + a * rv) // 64 * 64, vo + b * rv, 64):
+            prefetch(vp, o)
+
+
 @njit(cache=True, nogil=True)
-def qk(qb, R, src, so, rb, n, s):
+def qk(qb, R, src, so, rb, n, s, kp, ko, rk, pn):
     """s[x, r] = qb[x] . key r for x < R, r < n; key r's row at byte so + r * rb of src (uint8: f16 rows,
-    float32: the f32 tile).  HD a multiple of VW."""
+    float32: the f32 tile).  HD a multiple of VW.  Meanwhile the key rows 0 .. pn-1 of a later segment
+    (pf_rows' kp, ko, rk; pn 0: none) are prefetched, a key group's rows with each group: spread over the
+    pass, not one burst that fills the core's miss queue."""
     r = 0
+    pd = 0                  # rows of the later segment prefetched so far
     while r < n:
         o = so + r * rb
+        if pd < pn:
+            b = min(pn, r + QK_KG)
+            pf_rows(kp, ko, rk, kp, 0, 0, pd, b)
+            pd = b
         if r + QK_KG <= n:
             x = 0
             while x + 3 <= R:
@@ -45,6 +64,8 @@ def qk(qb, R, src, so, rb, n, s):
             elif R - x == 1:
                 _QK1a(qb, x, src, o, rb, s, r)
             r += 1
+    if pd < pn:
+        pf_rows(kp, ko, rk, kp, 0, 0, pd, pn)
 
 
 @njit(cache=True, nogil=True)
