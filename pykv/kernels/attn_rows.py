@@ -4,7 +4,8 @@ micro-tiles).  simd.qk_rows / pv_rows keep up to 3 rows x QK_KG keys of partial 
 vectors of output channels) in registers, VW float lanes each (the host's vectors: 16 on AVX-512, 8
 else), reading f16 rows (an f16 pool, the sinks, the ring) in place or the f32 tile another format was
 decoded into.  The loops here only pick the calls: rows in threes, then the last one or two; keys in
-QK_KG, then one at a time; output channels in PV_NV * VW, then VW at a time."""
+QK_KG, then one at a time; output channels in PV_NV * VW, then VW at a time.  qk can prefetch a later
+segment's key rows meanwhile, a key group's worth with each group (pf_rows)."""
 from numba import njit
 
 from pykv.kernels.simd import prefetch, pv_rows, qk_rows
