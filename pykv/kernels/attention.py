@@ -525,7 +525,7 @@ def _item(q, kpool, vpool, kres, vres, ksink, vsink, page_table, n_past, ns_k, n
         if kdir:
             _qk(qb, R, ksrc, ko, krb, n, s, tk, pko, prk, pn)       # with the later segment's keys
         elif sdone:
-            _qk(qb, R, kt, 0, HD * 4, n, s, kpool[g, 0], 0, 0, 0)
+            _qk(qb, R, kt, 0, HD * 4, n, s, tk, 0, 0, 0)
         x3 = R if kmix or kint or mts or sdone else 0
         while x3 + 3 <= R and min(lim[x3], lim[x3 + 1], lim[x3 + 2]) - j >= n:
             _scores3(qb[x3], qb[x3 + 1], qb[x3 + 2], kt, n, s[x3], s[x3 + 1], s[x3 + 2])
