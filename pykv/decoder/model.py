@@ -304,15 +304,15 @@ class Decoder:
         bits do not depend on the batch); RoPE, the cache append and attention run per segment.
         grp (a KVCache.DecodeGroup): segs' first len(grp.pos) segments are one-token sequences whose RoPE,
         append and attention run batched, one call each for all of them (rows 0 .. S - 1).
-        chains (one decode token, _decode_chains): chains[li] ran this layer's norm and Q/K/V products,
-        and its attention where fold[li] (KVCache.fold_args) is not None; chains[li + 1] runs
-        everything after its attention (and the next layer's)."""
+        chains (a decode step's one-token rows, _decode_chains): chains[li] ran this layer's norm and
+        Q/K/V products, and its attention where fold[li] (KVCache.fold_args, one token) is not None;
+        chains[li + 1] runs everything after its attention (and the next layer's)."""
         cfg, st, lw, cache = self.config, self.state, self.weights.layers[li], self.cache
         ops = self.be.ops
         vw, ad, af = st.views(T), st.act_d, st.act_ff
         x, o = vw.x, vw.o
         if chains is not None and fold[li] is not None:     # attention ran in chains[li]
-            chains[li + 1](fold[li + 1])
+            chains[li + 1](fold[li + 1], T)
             return
         if chains is None:
             mq, mo, mgu, mdown = self._bound_calls(li, T, vw)
@@ -332,7 +332,7 @@ class Decoder:
         for seq, r0, t, chunk in segs[S:]:
             self._attention(li, seq, vw, r0, t, chunk)
         if chains is not None:              # this layer's tail and the next layer's head, one region
-            chains[li + 1](fold[li + 1])
+            chains[li + 1](fold[li + 1], T)
             return
         att3 = vw.att3
         ops.attn_out_act(att3, self.rot_sign, self.rotate, ad.x, ad.xf)
@@ -390,12 +390,14 @@ class Decoder:
         return c
 
     def _decode_chains(self):
-        """The backend's chains (kernels.chain) of a one-token step, one per layer boundary: [0] the
-        first layer's norm and Q/K/V, [l + 1] layer l after its attention and layer l + 1's head;
-        None where the backend or a weight has none (each layer's calls then run one by one)."""
+        """The backend's chains (kernels.chain) of a step of one-token rows (up to the backend's
+        chain.MAX_ROWS, None: any), one per layer boundary: [0] the first layer's norm and Q/K/V, [l + 1]
+        layer l after its attention and layer l + 1's head; None where the backend or a weight has none
+        (each layer's calls then run one by one)."""
         ch = self._chains
         if ch is None:
             cfg, lws, st, bind = self.config, self.weights.layers, self.state, self.be.chain.bind
+            rows = self.be.chain.MAX_ROWS or st.x.shape[0]
             L = cfg.n_layers
             ch = []
             for b in range(L + 1):
@@ -403,7 +405,7 @@ class Decoder:
                 kv = self.cache.fold_static(b if b < L else 0, self.cos, self.sin, st.part, cfg.rope_dims,
                                             self.q_mul)           # layer b's attention (mode ATTN)
                 c = bind(None if t is None else (t.wo, t.w_gate, t.w_up, t.w_down, t.ffn_norm),
-                         None if h is None else (h.wq, h.wk, h.wv, h.attn_norm), st.views(1), st.act_d,
+                         None if h is None else (h.wq, h.wk, h.wv, h.attn_norm), st.views(rows), st.act_d,
                          st.act_ff, self.rot_sign, self.rotate, cfg.norm_eps, kv)
                 if c is None:
                     ch = False
@@ -444,11 +446,14 @@ class Decoder:
         for seq, i in work:
             segs.append((seq, r0, len(i), self.cache.chunk_for(seq.n_tokens + len(i), len(i), workers)))
             r0 += len(i)
-        chains = self._decode_chains() if T == 1 else None
+        chains = self._decode_chains() if T == 1 or (T == n1 and not self.be.chain.MAX_ROWS) else None
         fold = None
         if chains is not None:
-            fold = self.cache.fold_args(segs[0][0], segs[0][3]) + [None]    # [L]: the last chain has no next layer
-            chains[0](fold[0])
+            if T == 1:
+                fold = self.cache.fold_args(segs[0][0], segs[0][3]) + [None]    # [L]: the last chain has no next layer
+            else:           # the decode group's attention runs between the chains (KVCache.append_seqs / attend_seqs)
+                fold = [None] * (self.config.n_layers + 1)
+            chains[0](fold[0], T)
         for li in range(self.config.n_layers):
             self._layer(li, segs, T, chains, fold, grp)
         for seq, _, t, _ in segs:

@@ -1,19 +1,20 @@
 """A decode step's work between two attentions in ONE parallel region (CPU).
 
-One token's layer is ~10 kernel calls; each parallel region costs microseconds to start, and a thread
-that finishes its static share of a small product waits for the others.  `chain` runs, for one token,
-the tail of layer l and the head of layer l+1 as numbered work items that the threads claim in order
-from a shared counter:
+A decode token's layer is ~10 kernel calls; each parallel region costs microseconds to start, and a
+thread that finishes its static share of a small product waits for the others.  `chain` runs, for the T
+one-token rows of a decode step (T = 1: one sequence's token; T > 1: a batched step's sequences), the tail
+of layer l and the head of layer l+1 as numbered work items that the threads claim in order from a
+shared counter:
 
-    stage 0  attn_out_act (+ its q8 blocks)          1 item
-    stage 1  o = att @ wo                            one run of row tiles per thread
-    stage 2  x += o; rmsnorm (ffn_norm) (+ q8)       1 item
+    stage 0  attn_out_act (+ its q8 blocks)          an item per row
+    stage 1  o = att @ wo                            one run of row tiles per thread (all T tokens)
+    stage 2  x += o; rmsnorm (ffn_norm) (+ q8)       an item per row
     stage 3  g, u = x @ (w_gate, w_up)               runs over the tiles of both
-    stage 4  swiglu (+ q8)                           1 item
+    stage 4  swiglu (+ q8)                           an item per row
     stage 5  o = swiglu @ w_down                     runs
-    stage 6  x += o; rmsnorm (next attn_norm) (+ q8) 1 item  (no tail: rmsnorm of x; no head: x += o)
+    stage 6  x += o; rmsnorm (next attn_norm) (+ q8) an item per row  (no tail: rmsnorm of x; no head: x += o)
     stage 7  q, k, v = x @ (wq, wk, wv)              runs over the tiles of the three
-    stage 8  RoPE, smoothing, rotation (ops.qkv_prep); the K/V rows into the cache   1 item  (mode ATTN)
+    stage 8  RoPE, smoothing, rotation (ops.qkv_prep); the K/V rows into the cache   1 item  (mode ATTN, T = 1)
     stage 9  attention over the cache: one item per (KV head, key chunk)            (mode ATTN)
     stage 10 the chunks' partials merged into att (layer l+1's attention output)   1 item  (mode ATTN)
 
@@ -21,12 +22,13 @@ An item waits (spinning, then yielding its core: sync.wait_until) until the near
 that has to wait prefetches its first row tile meanwhile.  Items are claimed in increasing order and only wait on
 lower-numbered ones, each held by a running thread, so the region finishes at any thread count (one
 thread runs them in order).  Every product is the integer tile dot of the matmul kernels, so the
-results equal matmul's bit for bit.
+results equal matmul's bit for bit (several tokens: in matmul's token groups).
 
 Stages 8-10 (mode ATTN: Model asks for them when the layer's cache is one they cover, KVCache.fold_args)
 run layer l+1's attention in the same region, through the functions the separate calls run (qkv_prep,
 kvquant's row append, attention's work item and merge), with the same chunks: the results are the
-same bits, and a decode step has no Python between two chains.
+same bits, and a decode step has no Python between two chains.  A batched step (T > 1) runs its
+sequences' attention between the chains (KVCache.append_seqs / attend_seqs, one call each a layer).
 
 Weight codes (compile-time literals): matmul's _KIND_ITILE_* kind (q8_0 activations), or KOFF + the
 ggml type of a K-quant tile (q8_K activations).
@@ -40,11 +42,11 @@ from numba.experimental import structref
 
 from pykv.kernels import matmul as M
 from pykv.kernels.mm_raw import _FM, _q8_row, _q8k_row
-from pykv.kernels.matmul import _ITILE_FMT, _KTILE_FMT
+from pykv.kernels.matmul import _ITILE_FMT, _KTILE_FMT, _TOK_NT, _TOK_NT_Q
 from pykv.kernels.attention import _item as _att_item
 from pykv.kernels.attention import merge_row
 from pykv.kernels.kvquant import _append_row
-from pykv.kernels.ops import add_inplace, add_rmsnorm_act_row, attn_out_act_row, qkv_prep, rmsnorm_act_row, swiglu_act_row
+from pykv.kernels.ops import add_rmsnorm_act_row, attn_out_act_row, qkv_prep, rmsnorm_act_row, swiglu_act_row
 from pykv.kernels.simd import prefetch
 from pykv.kernels.sync import fetch_add, load_acquire, wait_until
 from pykv.kernels.tiles import KTILE_ROWS, TILE_ROWS, dot_any_by
@@ -53,7 +55,9 @@ KOFF = 100
 TAIL, HEAD, ATTN = 1, 2, 4  # mode bits: layer l's tail (stages 0-6), layer l+1's head (6-7), its attention (8-10)
 N_STAGES = 11
 SYNC = 8 * (1 + N_STAGES)
+MAX_ROWS = None     # a chain runs any number of one-token rows (a batched decode step's sequences)
 _dot = dot_any_by(_ITILE_FMT, _KTILE_FMT, KOFF)
+_dot_n = dot_any_by(_ITILE_FMT, _KTILE_FMT, KOFF, _TOK_NT_Q, _TOK_NT)    # the token groups of matmul's kernels
 # Constant arguments to functions that Model's separate calls run too go in as int64, not as literals: a
 # constant 0 would be typed Literal[int](0) and compile a second specialization of the callee (a long
 # compile again on a cold cache, for attention's work item).
@@ -61,27 +65,32 @@ _I0 = np.int64(0)
 
 
 @njit(cache=True, nogil=True, fastmath=_FM)
-def _quant(c0, c1, c2, X, XQ, XD, XS, XF, XQK, XDK, XBK):
-    """The activation blocks the weights of codes c0..c2 read (q8_0 and / or q8_K) of token 0 of X."""
+def _quant(c0, c1, c2, X, XQ, XD, XS, XF, XQK, XDK, XBK, t):
+    """The activation blocks the weights of codes c0..c2 read (q8_0 and / or q8_K) of token t of X."""
     if c0 < KOFF or c1 < KOFF or c2 < KOFF:
-        _q8_row(X, 0, XQ, XD, XS, XF)
+        _q8_row(X, t, XQ, XD, XS, XF)
     if c0 >= KOFF or c1 >= KOFF or c2 >= KOFF:
-        _q8k_row(X, 0, XQK, XDK, XBK)
+        _q8k_row(X, t, XQK, XDK, XBK)
 
 
 @njit(cache=True, nogil=True, fastmath=_FM)
-def _tile(code, qt, sc, i, XQ, XD, XS, XQK, XDK, XBK, out):
-    """Row tile i of one weight for token 0: out[i*R:(i+1)*R] (compiled once per literal code: every
-    chain with that weight type links the same code)."""
+def _tile(code, qt, sc, i, T, XQ, XD, XS, XQK, XDK, XBK, out):
+    """Row tile i of one weight for tokens 0 .. T-1: out[:T, i*R:(i+1)*R], in the token groups of
+    matmul's kernels (mm_tiles._itile_tokens: the same bits).  Compiled once per literal code: every
+    chain with that weight type links the same code."""
     literally(code)
     if code >= KOFF:
-        r0 = i * KTILE_ROWS
-        _dot(code, qt[i], sc[0], XQ[0], XD[0], XS[0], XQK[0], XDK[0], XBK[0], XDK.shape[1],
-             out[0, r0:r0 + KTILE_ROWS])
+        R, n, si, nb = KTILE_ROWS, _TOK_NT, 0, XDK.shape[1]
     else:
-        r0 = i * TILE_ROWS
-        _dot(code, qt[i], sc[i], XQ[0], XD[0], XS[0], XQK[0], XDK[0], XBK[0], qt.shape[1],
-             out[0, r0:r0 + TILE_ROWS])
+        R, n, si, nb = TILE_ROWS, _TOK_NT_Q, i, qt.shape[1]
+    r0 = i * R
+    t = 0
+    while t + n <= T:
+        u = t + n
+        _dot_n(code, qt[i], sc[si], XQ[t:u], XD[t:u], XS[t:u], XQK[t:u], XDK[t:u], XBK[t:u], nb, out[t:u, r0:r0 + R])
+        t = u
+    for t in range(t, T):
+        _dot(code, qt[i], sc[si], XQ[t], XD[t], XS[t], XQK[t], XDK[t], XBK[t], nb, out[t, r0:r0 + R])
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -115,10 +124,41 @@ def _warm_item(s, j, W):
             _warm(wv, j - wq.shape[0] - wk.shape[0])
 
 
+@njit(cache=True, nogil=True, fastmath=_FM, inline="always")
+def _row(cq, ck, cv, co, cg, cu, cd, s, t, mode, eps, rotate, B, A, F):
+    """Serial stage s (0, 2, 4, 6) for row t: a norm or activation and its q8 blocks (inlined: a call
+    would pass _item's arrays on)."""
+    att, sign, x, norm_f, norm_a, q, k, v, o, g, u = B
+    AX, AXQ, AXD, AXS, AXF, AXQK, AXDK, AXBK = A
+    FX, FXQ, FXD, FXS, FXF, FXQK, FXDK, FXBK = F
+    if s == 0:
+        attn_out_act_row(att, sign, rotate, AX, AXF, t)
+        _quant(co, co, co, AX, AXQ, AXD, AXS, AXF, AXQK, AXDK, AXBK, t)
+    elif s == 2:
+        add_rmsnorm_act_row(x, o, norm_f, eps, AX, AXF, t)
+        _quant(cg, cu, cu, AX, AXQ, AXD, AXS, AXF, AXQK, AXDK, AXBK, t)
+    elif s == 4:
+        swiglu_act_row(g, u, FX, FXF, t)
+        _quant(cd, cd, cd, FX, FXQ, FXD, FXS, FXF, FXQK, FXDK, FXBK, t)
+    else:
+        tail = (mode & TAIL) != 0
+        head = (mode & HEAD) != 0
+        if tail and head:
+            add_rmsnorm_act_row(x, o, norm_a, eps, AX, AXF, t)
+        elif head:
+            rmsnorm_act_row(x, norm_a, eps, AX, AXF, t)
+        else:
+            for i in range(x.shape[1]):
+                x[t, i] += o[t, i]
+        if head:
+            _quant(cq, ck, cv, AX, AXQ, AXD, AXS, AXF, AXQK, AXDK, AXBK, t)
+
+
 @njit(cache=True, nogil=True, fastmath=_FM)
-def _item(cq, ck, cv, co, cg, cu, cd, s, j0, j1, mode, eps, rotate, W, B, A, F):
-    """Stage s's work item: row tiles j0 .. j1-1 of its product, or its serial step (a function of its
-    own, compiled once per weight codes, so the parallel region around it stays small to compile)."""
+def _item(cq, ck, cv, co, cg, cu, cd, s, j0, j1, T, mode, eps, rotate, W, B, A, F):
+    """Stage s's work item: row tiles j0 .. j1-1 of its product for tokens 0 .. T-1, or rows j0 .. j1-1
+    of its serial step (a function of its own, compiled once per weight codes, so the parallel region
+    around it stays small to compile)."""
     wq, sq, wk, sk, wv, sv, wo, so, wg, sg, wu, su, wd, sd = W
     att, sign, x, norm_f, norm_a, q, k, v, o, g, u = B
     AX, AXQ, AXD, AXS, AXF, AXQK, AXDK, AXBK = A
@@ -130,46 +170,29 @@ def _item(cq, ck, cv, co, cg, cu, cd, s, j0, j1, mode, eps, rotate, W, B, A, F):
     literally(cg)
     literally(cu)
     literally(cd)
-    if s == 0:
-        attn_out_act_row(att, sign, rotate, AX, AXF, _I0)
-        _quant(co, co, co, AX, AXQ, AXD, AXS, AXF, AXQK, AXDK, AXBK)
+    if s % 2 == 0:
+        for t in range(j0, j1):
+            _row(cq, ck, cv, co, cg, cu, cd, s, t, mode, eps, rotate, B, A, F)
     elif s == 1:
         for j in range(j0, j1):
-            _tile(co, wo, so, j, AXQ, AXD, AXS, AXQK, AXDK, AXBK, o)
-    elif s == 2:
-        add_rmsnorm_act_row(x, o, norm_f, eps, AX, AXF, _I0)
-        _quant(cg, cu, cu, AX, AXQ, AXD, AXS, AXF, AXQK, AXDK, AXBK)
+            _tile(co, wo, so, j, T, AXQ, AXD, AXS, AXQK, AXDK, AXBK, o)
     elif s == 3:
         for j in range(j0, j1):
             if j < wg.shape[0]:
-                _tile(cg, wg, sg, j, AXQ, AXD, AXS, AXQK, AXDK, AXBK, g)
+                _tile(cg, wg, sg, j, T, AXQ, AXD, AXS, AXQK, AXDK, AXBK, g)
             else:
-                _tile(cu, wu, su, j - wg.shape[0], AXQ, AXD, AXS, AXQK, AXDK, AXBK, u)
-    elif s == 4:
-        swiglu_act_row(g, u, FX, FXF, _I0)
-        _quant(cd, cd, cd, FX, FXQ, FXD, FXS, FXF, FXQK, FXDK, FXBK)
+                _tile(cu, wu, su, j - wg.shape[0], T, AXQ, AXD, AXS, AXQK, AXDK, AXBK, u)
     elif s == 5:
         for j in range(j0, j1):
-            _tile(cd, wd, sd, j, FXQ, FXD, FXS, FXQK, FXDK, FXBK, o)
-    elif s == 6:
-        tail = (mode & TAIL) != 0
-        head = (mode & HEAD) != 0
-        if tail and head:
-            add_rmsnorm_act_row(x, o, norm_a, eps, AX, AXF, _I0)
-        elif head:
-            rmsnorm_act_row(x, norm_a, eps, AX, AXF, _I0)
-        else:
-            add_inplace(x, o)
-        if head:
-            _quant(cq, ck, cv, AX, AXQ, AXD, AXS, AXF, AXQK, AXDK, AXBK)
+            _tile(cd, wd, sd, j, T, FXQ, FXD, FXS, FXQK, FXDK, FXBK, o)
     else:
         for j in range(j0, j1):
             if j < wq.shape[0]:
-                _tile(cq, wq, sq, j, AXQ, AXD, AXS, AXQK, AXDK, AXBK, q)
+                _tile(cq, wq, sq, j, T, AXQ, AXD, AXS, AXQK, AXDK, AXBK, q)
             elif j < wq.shape[0] + wk.shape[0]:
-                _tile(ck, wk, sk, j - wq.shape[0], AXQ, AXD, AXS, AXQK, AXDK, AXBK, k)
+                _tile(ck, wk, sk, j - wq.shape[0], T, AXQ, AXD, AXS, AXQK, AXDK, AXBK, k)
             else:
-                _tile(cv, wv, sv, j - wq.shape[0] - wk.shape[0], AXQ, AXD, AXS, AXQK, AXDK, AXBK, v)
+                _tile(cv, wv, sv, j - wq.shape[0] - wk.shape[0], T, AXQ, AXD, AXS, AXQK, AXDK, AXBK, v)
 
 
 @njit(cache=True, nogil=True, fastmath=_FM)
@@ -203,23 +226,24 @@ def _attn(s, j0, j1, rotate, n_past, chunk, ns_k, ns_v, li, smooth, K, pt, ksink
 
 
 @njit(cache=True, nogil=True)
-def _plan(mode, W, split, n_att):
-    """chain's work items: per stage its row tiles nt (1: a serial stage), items n (runs of tiles, at
-    most split a product), first item, and the nearest non-empty earlier stage (-1: none).  n_att:
-    the attention's work items (KV heads x key chunks; mode ATTN).  Outside the
+def _plan(mode, W, split, n_att, T):
+    """chain's work items: per stage its row tiles nt (a serial stage: its T rows), items n (runs of
+    tiles, at most split a product; a serial stage: one a row), first
+    item, and the nearest non-empty earlier stage (-1: none).  n_att: the attention's work items (KV heads
+    x key chunks; mode ATTN, one token).  Outside the
     parallel function: its array constructors would each become a parallel loop of their own."""
     wq, wk, wv, wo, wg, wu, wd = W[0], W[2], W[4], W[6], W[8], W[10], W[12]
     tail = (mode & TAIL) != 0
     head = (mode & HEAD) != 0
-    nt = np.zeros(N_STAGES, np.int64)            # row tiles (1: a serial stage)
+    nt = np.zeros(N_STAGES, np.int64)            # row tiles (a serial stage: rows)
     if tail:
-        nt[0] = 1
+        nt[0] = T
         nt[1] = wo.shape[0]
-        nt[2] = 1
+        nt[2] = T
         nt[3] = wg.shape[0] + wu.shape[0]
-        nt[4] = 1
+        nt[4] = T
         nt[5] = wd.shape[0]
-    nt[6] = 1
+    nt[6] = T
     if head:
         nt[7] = wq.shape[0] + wk.shape[0] + wv.shape[0]
         if mode & ATTN:
@@ -241,18 +265,18 @@ def _plan(mode, W, split, n_att):
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def chain(cq, ck, cv, co, cg, cu, cd, mode, eps, rotate, P, split, n_past, chunk, ns_k, ns_v, li, smooth, pt,
-          ksink, vsink, shift, scale):
-    """One token (row 0 of every array) through stages 0-7 above (mode: TAIL | HEAD bits), c*: the weights'
-    codes.  W: (wq, sq, wk, sk, wv, sv, wo, so, wg, sg, wu, su, wd, sd): w* a weight's tiles (matmul
-    Weight.qt), s* its scales (Weight.sc; any uint16 4-D array for a K-quant); B: (att (1, H, HD), sign,
-    x (1, D), ffn_norm, the next attn_norm, q, k, v, o, g, u: the products' outputs (1, rows));
+def chain(cq, ck, cv, co, cg, cu, cd, mode, eps, rotate, P, split, T, n_past, chunk, ns_k, ns_v, li, smooth,
+          pt, ksink, vsink, shift, scale):
+    """T one-token rows (rows 0 .. T-1 of B, A, F's arrays: a decode step's sequences) through stages 0-7
+    above (mode: TAIL | HEAD bits), c*: the weights' codes.  W: (wq, sq, wk, sk, wv, sv, wo, so, wg, sg, wu, su, wd, sd): w* a weight's tiles (matmul
+    Weight.qt), s* its scales (Weight.sc; any uint16 4-D array for a K-quant); B: (att (R, H, HD), sign,
+    x (R, D), ffn_norm, the next attn_norm, q, k, v, o, g, u: the products' outputs (R, rows)), R >= T;
     A: the D-wide activation (matmul.Act x, xq, xd, xs, xf, xqk, xdk, xbk), F: the FF-wide one (W, B, A, F
     and sync are the fields of P, a ChainArgs: one object to unbox per call, not ~45 arrays); sync: int64 (SYNC,) scratch: the claim
     counter and each stage's done count, 64 bytes apart; split: the threads (numba.get_num_threads(), passed
     in: calling it here would keep the function out of Numba's cache): items per product, one run of
     row tiles each (a run keeps the tiles' prefetch-ahead inside the thread that reads them).
-    Mode ATTN, stages 8-10 (P.K: q3, k3, v3, the layer's K / V pools, the f16 ring (unread), cos, sin,
+    Mode ATTN (T = 1), stages 8-10 (P.K: q3, k3, v3 (1, heads, HD), the layer's K / V pools, the f16 ring (unread), cos, sin,
     sign, part (flat), att3, the no-pre-RoPE kx / cos / sin, int64 (kcode, kbits, vcode, rcode, page
     tokens, n_rot), float32 (qmul,)): the token at n_past (chunk: keys per attention item; ns_k / ns_v
     sink rows read; li: the row of shift / scale, the sequence's key smoothing (smooth: applied); pt: its
@@ -265,7 +289,7 @@ def chain(cq, ck, cv, co, cg, cu, cd, mode, eps, rotate, P, split, n_past, chunk
     literally(cu)
     literally(cd)
     W, B, A, F, K, sync = P.W, P.B, P.A, P.F, P.K, P.sync
-    nt, n, first, prev = _plan(mode, W, split, K[3].shape[0] * ((n_past + chunk) // chunk))
+    nt, n, first, prev = _plan(mode, W, split, K[3].shape[0] * ((n_past + chunk) // chunk), T)
     total = first[N_STAGES]
     for s in range(SYNC):
         sync[s] = 0
@@ -287,7 +311,7 @@ def chain(cq, ck, cv, co, cg, cu, cd, mode, eps, rotate, P, split, n_past, chunk
             if s >= 8:      # through a function pointer: one compiled attention for every chain (bind)
                 P.fn.f(s, j0, j1, rotate, n_past, chunk, ns_k, ns_v, li, smooth, K, pt, ksink, vsink, shift, scale)
             else:
-                _item(cq, ck, cv, co, cg, cu, cd, s, j0, j1, mode, eps, rotate, W, B, A, F)
+                _item(cq, ck, cv, co, cg, cu, cd, s, j0, j1, T, mode, eps, rotate, W, B, A, F)
             fetch_add(sync, 8 + 8 * s, 1)
 
 
@@ -394,32 +418,33 @@ class Chain:
     """chain() bound to one layer boundary: the tail of layer l (wo, w_gate, w_up, w_down, ffn_norm) and
     the head of layer l + 1 (wq, wk, wv, attn_norm), either may be None; arguments fixed at bind.
     Called with fa (KVCache.fold_args: n_past, chunk, ns_k, ns_v, li, smooth, pt, ksink, vsink, shift,
-    scale), it runs layer l+1's attention too (mode ATTN); without, it reads idle: arguments of the
-    same types (one compiled chain serves both)."""
+    scale), it runs layer l+1's attention too (mode ATTN; one token); without, it reads idle: arguments
+    of the same types (one compiled chain serves both).  T: the step's one-token rows (a batched decode
+    step's sequences; their attention runs outside, KVCache.append_seqs / attend_seqs)."""
 
     __slots__ = ("lits", "args", "idle", "entry")
 
     def __init__(self, lits, args, idle):
         self.lits, self.args, self.idle, self.entry = lits, args, idle, None
 
-    def __call__(self, fa=None) -> None:
+    def __call__(self, fa=None, T: int = 1) -> None:
         mode, eps, rotate, P = self.args
         if fa is None:
             fa = self.idle
         else:
             mode |= ATTN
         if self.entry is None:      # compiles or loads chain for these codes, then keeps its entry point
-            self.entry = M._entry(chain, self.lits, (mode, eps, rotate, P, numba.get_num_threads()) + tuple(fa))
-        self.entry(*self.lits, mode, eps, rotate, P, numba.get_num_threads(), *fa)
+            self.entry = M._entry(chain, self.lits, (mode, eps, rotate, P, numba.get_num_threads(), T) + tuple(fa))
+        self.entry(*self.lits, mode, eps, rotate, P, numba.get_num_threads(), T, *fa)
 
 
 _NO_SC = np.zeros((1, 1, 1, 1), np.uint16)      # a K-quant weight's (unread) scales argument
 
 
 def bind(tail, head, views, act_d, act_ff, sign, rotate: bool, eps: float, kv):
-    """A Chain for one token, or None when a weight is not one the chain runs (code).  tail: (wo,
+    """A Chain for one-token rows, or None when a weight is not one the chain runs (code).  tail: (wo,
     w_gate, w_up, w_down, ffn_norm) or None; head: (wq, wk, wv, attn_norm) or None; views: the run
-    state's one-token rows (model.Views: x, q, k, v, o, g, u, att3); act_d, act_ff: matmul.Act of
+    state's rows for MAX_ROWS tokens (None: all of them; model.Views: x, q, k, v, o, g, u, att3); act_d, act_ff: matmul.Act of
     widths D and FF; sign: the rotation signs (rotate: undo it on the attention output).  kv: the head
     layer's attention (any layer's where there is no head): (k_pool, v_pool, the f16 ring rows, cos,
     sin, part (flat), kx, kx_cos, kx_sin, int64 (kcode, kbits, vcode, rcode, page tokens, n_rot),
@@ -441,7 +466,8 @@ def bind(tail, head, views, act_d, act_ff, sign, rotate: bool, eps: float, kv):
     A = (a.x, a.xq, a.xd, a.xs, a.xf, a.xqk, a.xdk, a.xbk)
     F = (f.x, f.xq, f.xd, f.xs, f.xf, f.xqk, f.xdk, f.xbk)
     (kpool, vpool, kres, cos, sin, part, kx, kcos, ksin, km, qm), idle = kv
-    K = (v.q3, v.k3, v.v3, kpool, vpool, kres, kres, cos, sin, sign, part, v.att3, kx, kcos, ksin, km, qm)
+    K = (v.q3[:1], v.k3[:1], v.v3[:1], kpool, vpool, kres, kres, cos, sin, sign, part, v.att3[:1], kx, kcos, ksin,
+         km, qm)         # the attention stages' one token
     fn = attn_fn((8, 0, 1, bool(rotate)) + idle[:6] + (K,) + idle[6:])   # _attn's argument order
     return Chain(codes, (mode, float(eps), bool(rotate),
                          _chain_args(W, B, A, F, K, fn, np.zeros(SYNC, np.int64))), idle)

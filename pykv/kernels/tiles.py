@@ -621,13 +621,13 @@ def dot_ktile_by(fmts, nt=1):
     return intrinsic(typer)
 
 
-def dot_any_by(ifmts, kfmts, koff=100):
-    """Intrinsic (code, qt, sc, xq, xd, xs, xqk, xdk, xbk, nb, out): one token's dot of one tile of any
-    integer tile weight, code a literal: below koff dot_tile_<ifmts[code]>(qt, sc, xq, xd, xs, nb, out)
-    (q8_0 activations), from koff dot_ktile_<kfmts[code - koff]>(qt, xqk, xdk, xbk, nb, out) (q8_K
-    activations; sc is not read)."""
-    typers = {k: (_tile_dot(f), (0, 1, 2, 3, 4, 8, 9)) for k, f in ifmts.items()}
-    typers.update({k + koff: (_ktile_typer(f, 1), (0, 5, 6, 7, 8, 9)) for k, f in kfmts.items()})
+def dot_any_by(ifmts, kfmts, koff=100, nt=1, ntk=1):
+    """Intrinsic (code, qt, sc, xq, xd, xs, xqk, xdk, xbk, nb, out): the dot of one tile of any integer
+    tile weight, code a literal: below koff dot_tile_<ifmts[code]>(qt, sc, xq, xd, xs, nb, out) for nt
+    tokens (q8_0 activations), from koff dot_ktile_<kfmts[code - koff]>(qt, xqk, xdk, xbk, nb, out) for
+    ntk tokens (q8_K activations; sc is not read); several tokens: 2-D activations and out."""
+    typers = {k: (_tile_dot(f, nt), (0, 1, 2, 3, 4, 8, 9)) for k, f in ifmts.items()}
+    typers.update({k + koff: (_ktile_typer(f, ntk), (0, 5, 6, 7, 8, 9)) for k, f in kfmts.items()})
 
     def typer(typingctx, code, qt, sc, xq, xd, xs, xqk, xdk, xbk, nb, out):
         if not isinstance(code, types.IntegerLiteral) or code.literal_value not in typers:

@@ -30,6 +30,7 @@ from pykv.kernels.cuda import ops as CO
 
 NW = CM.NW
 NTH = NW * WL               # threads per block: a weight row per warp
+MAX_ROWS = 1                # a chain runs one token (a batched step runs the separate launches)
 XMAX = 8192                 # widest activation row staged in shared memory (32 KiB of float32)
 f32 = np.float32
 # the norm's block sum must run over the row kernels' thread count, or its bits differ from theirs
@@ -178,7 +179,7 @@ class Chain:
     def __init__(self, calls):
         self.calls = calls
 
-    def __call__(self, fa=None) -> None:
+    def __call__(self, fa=None, T: int = 1) -> None:
         for k, cfg, args in self.calls:
             k[cfg](*args)
 
