@@ -422,12 +422,14 @@ class Chain:
     of the same types (one compiled chain serves both).  T: the step's one-token rows (a batched decode
     step's sequences; their attention runs outside, KVCache.append_seqs / attend_seqs)."""
 
-    __slots__ = ("lits", "args", "idle", "entry")
+    __slots__ = ("lits", "args", "idle", "rows", "entry")
 
-    def __init__(self, lits, args, idle):
-        self.lits, self.args, self.idle, self.entry = lits, args, idle, None
+    def __init__(self, lits, args, idle, rows):
+        self.lits, self.args, self.idle, self.rows, self.entry = lits, args, idle, rows, None
 
     def __call__(self, fa=None, T: int = 1) -> None:
+        if not 1 <= T <= self.rows or (fa is not None and T != 1):     # the kernel reads rows 0 .. T-1 unchecked
+            raise ValueError(f"chain: {T} rows for a chain bound to {self.rows}" + (" with attention" if fa else ""))
         mode, eps, rotate, P = self.args
         if fa is None:
             fa = self.idle
@@ -470,4 +472,4 @@ def bind(tail, head, views, act_d, act_ff, sign, rotate: bool, eps: float, kv):
          km, qm)         # the attention stages' one token
     fn = attn_fn((8, 0, 1, bool(rotate)) + idle[:6] + (K,) + idle[6:])   # _attn's argument order
     return Chain(codes, (mode, float(eps), bool(rotate),
-                         _chain_args(W, B, A, F, K, fn, np.zeros(SYNC, np.int64))), idle)
+                         _chain_args(W, B, A, F, K, fn, np.zeros(SYNC, np.int64))), idle, v.x.shape[0])

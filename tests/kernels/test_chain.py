@@ -102,6 +102,50 @@ def _one_specialization():
         assert {sig[-1] for sig in sigs(f)} == {types.int64}, (f.__name__, sigs(f))
 
 
+class _Rows:
+    """A bound chain that records the rows of each call."""
+
+    def __init__(self, c, log):
+        self.c, self.log = c, log
+
+    def __call__(self, fa=None, T=1):
+        self.log.append(T)
+        self.c(fa, T)
+
+
+@pytest.mark.parametrize("kv", ["f16", "q4_0"])      # q4_0: its first steps land in the sink rows (no decode group)
+def test_batched_step_runs_the_chains_over_its_rows(tiny, kv):
+    """A step of S one-token sequences runs each layer boundary's chain once over all S rows (9: a group
+    of 8 tokens and one alone in the Q4 / Q8 tiles, two of 4 and one in the K tiles), with each sequence's
+    logits those of the separate calls; a chain refuses more rows than it was bound to."""
+    name, path = tiny
+    S, L = 9, None
+    m = pykv.load(path, n_ctx=64, threads=2, kv_type_k=kv, kv_type_v=kv, max_seqs=S)
+    try:
+        if name == "f16":
+            assert m._decode_chains() is None
+            return
+        L = m.config.n_layers
+        out, log = {}, []
+        for chains in (False, True):
+            m._chains = None if chains else False
+            if chains:
+                m._chains = [_Rows(c, log) for c in m._decode_chains()]
+            seqs = [m.new_sequence() for _ in range(S)]
+            for i, s in enumerate(seqs):
+                m.eval(s, [5 + i, 77, 3 + 2 * i])
+            out[chains] = np.stack([m.step([(s, [100 + 7 * i + k]) for i, s in enumerate(seqs)]) for k in range(3)])
+            for s in seqs:
+                m.cache.free_sequence(s)
+        np.testing.assert_array_equal(out[True], out[False])
+        assert np.isfinite(out[True]).all() and out[True].std() > 0
+        assert log == [S] * (3 * (L + 1))          # three steps, each chain once, every row in each call
+        with pytest.raises(ValueError, match="rows"):
+            m._chains[1].c(None, m.step_rows + 1)
+    finally:
+        numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
+
+
 def test_no_chain_in_exact_mode(tiny):
     name, path = tiny
     m = pykv.load(path, n_ctx=64)
