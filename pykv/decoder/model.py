@@ -446,7 +446,8 @@ class Decoder:
         for seq, i in work:
             segs.append((seq, r0, len(i), self.cache.chunk_for(seq.n_tokens + len(i), len(i), workers)))
             r0 += len(i)
-        chains = self._decode_chains() if T == 1 or (T == n1 and not self.be.chain.MAX_ROWS) else None
+        one_token_rows = (T == 1 or T == n1) and T <= (self.be.chain.MAX_ROWS or T)
+        chains = self._decode_chains() if one_token_rows else None
         fold = None
         if chains is not None:
             if T == 1:

@@ -119,7 +119,7 @@ def test_batched_step_runs_the_chains_over_its_rows(tiny, kv):
     of 8 tokens and one alone in the Q4 / Q8 tiles, two of 4 and one in the K tiles), with each sequence's
     logits those of the separate calls; a chain refuses more rows than it was bound to."""
     name, path = tiny
-    S, L = 9, None
+    S = 9
     m = pykv.load(path, n_ctx=64, threads=2, kv_type_k=kv, kv_type_v=kv, max_seqs=S)
     try:
         if name == "f16":
