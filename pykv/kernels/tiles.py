@@ -208,13 +208,13 @@ def _target_cpu() -> str:
 # group of tokens where that was measured to pay (avx2; Q4_1 on AMD's AVX-512 cores; the K
 # formats on Intel's, where the unpacking costs more than the dot; docs/code-notes.md); other formats and
 # classes run the tokens one after another in the call.
-TOKEN_BLOCK = {"avx2": ("q40", "q50", "q5", "q2k", "q3k", "q5k", "q6k"),
+TOKEN_BLOCK = {"avx2": ("q4", "q40", "q50", "q5", "q2k", "q3k", "q5k", "q6k"),
                "avx512vnni": ("q4",) if _target_cpu().startswith("znver") else ("q4k", "q5k", "q6k")}.get(ISA, ())
-# A grouped Q4 / Q5 / Q8 tile call on the AVX-512 class runs one row group (L rows) at a time over the
-# blocks, so only that group's sums for the tokens stay in registers (all G groups' sums for 4 tokens and
-# each token's broadcast activations spilled, and measured slower than one token at a time); avx2 keeps
-# the block-by-block order it was measured with.
-KOUTER = ISA == "avx512vnni"
+# A grouped Q4 / Q5 / Q8 tile call runs one row group (L rows) at a time over the blocks, so only that
+# group's sums for the tokens stay in registers (all G groups' sums for 4 tokens and each token's broadcast
+# activations spilled: measured slower than one token at a time on AVX-512, and on avx2 slower than 8
+# tokens a row group at a time); the generic class keeps the block-by-block order.
+KOUTER = ISA in ("avx512vnni", "avx2")
 TOKEN_NT = 8 if KOUTER else 4     # tokens a grouped Q4 / Q5 / Q8 tile call takes (mm_tiles._TOK_NT_Q)
 
 
