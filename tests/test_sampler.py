@@ -58,39 +58,6 @@ def test_top_k():
     assert set(draws(P(top_k=10), logits2, 2000).tolist()) == {0, 1, 2, 3}
 
 
-@pytest.mark.parametrize("order", ["random", "ascending", "descending", "ties", "neg_inf"])
-def test_top_k_selects_the_k_largest_ties_by_lower_id(order):
-    """kernels.sampler.top_k (the reference's top-k): the k largest values, a tie at the k-th value
-    taken by lower id (the device sampler's rule), whatever the order of the row; sizes around its
-    spans of 32 (fewer spans than k, a partial last span)."""
-    from pykv.kernels.sampler import top_k
-    rng = np.random.default_rng(len(order))
-    for V, k in ((49152, 40), (2000, 100), (65, 33), (64, 2), (70, 1), (10, 10), (5, 3)):
-        x = (rng.standard_normal(V) * 3).astype(np.float32)
-        if order == "ascending":
-            x = np.sort(x)
-        elif order == "descending":
-            x = np.sort(x)[::-1].copy()
-        elif order == "ties":
-            x = np.round(x).astype(np.float32)
-        elif order == "neg_inf":
-            x[rng.integers(0, V, V // 2)] = -np.inf
-        h = np.full(k, -1, np.int64)
-        top_k(x, k, h)
-        want = np.lexsort((np.arange(V), -x.astype(np.float64)))[:k]
-        assert sorted(h.tolist()) == sorted(want.tolist()), (V, k)
-
-
-def test_top_k_tie_at_the_cut_keeps_the_lower_ids():
-    """Sampler.candidates' top-k with ties at the cut: the lower ids (argpartition took any of them)."""
-    logits = np.array([0.0, 1.0, 1.0, 2.0, 1.0, 1.0] * 20, np.float32)
-    ids = np.arange(len(logits))
-    twos, ones = ids[logits == 2.0].tolist(), ids[logits == 1.0].tolist()
-    for k, want in ((12, twos[:12]), (25, twos + ones[:5])):
-        idx, _ = Sampler(P(top_k=k), len(logits)).candidates(logits)
-        assert sorted(idx.tolist()) == sorted(want), k
-
-
 def test_top_p():
     # probs: 0.5, 0.3, 0.15, 0.05
     probs = np.array([0.5, 0.3, 0.15, 0.05])

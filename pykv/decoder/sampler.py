@@ -7,9 +7,8 @@ Chain order (llama.cpp's default for the parameters we support):
 ``temperature <= 0`` selects greedy decoding: the repetition penalty is still
 applied (as llama.cpp does), then the first maximal logit is returned.
 
-Everything is numpy but top-k (one Numba pass, kernels.sampler.top_k), and per-token
-cost is O(V) plus a sort of the surviving candidates only (top-k and min-p shrink
-the set before any sort happens).
+Everything is numpy and per-token cost is O(V) plus a sort of the surviving
+candidates only (top-k and min-p shrink the set before any sort happens).
 """
 from __future__ import annotations
 
@@ -18,8 +17,6 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import numpy as np
-
-from pykv.kernels.sampler import top_k as _top_k
 
 __all__ = ["SamplerParams", "Sampler"]
 
@@ -82,13 +79,11 @@ class Sampler:
         temp = p.temperature if p.temperature > 0 else 1.0
         logits = self._prepare(logits, history)
 
-        # top-k (one O(V) pass; ties at the k-th value by lower id, as the device's); everything after
-        # works on the survivors
+        # top-k (argpartition: O(V)); everything after works on the survivors
         k = int(p.top_k)
         V = self.n_vocab
         if 0 < k < V:
-            idx = np.empty(k, np.int64)
-            _top_k(np.ascontiguousarray(logits, np.float32), k, idx)
+            idx = np.argpartition(logits, V - k)[V - k:]
             vals = logits[idx].astype(np.float64)
         else:
             idx = np.arange(V)

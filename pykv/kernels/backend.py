@@ -46,7 +46,7 @@ CPU_ONLY = {
             "exp_neg": "an inlined scalar helper of the CPU kernels",
             "rmsnorm_act_row": "a row helper the CPU chain inlines", "add_rmsnorm_act_row": "as rmsnorm_act_row",
             "swiglu_act_row": "as rmsnorm_act_row", "attn_out_act_row": "as rmsnorm_act_row"},
-    "sampler": {"top_k": "the reference sampler's top-k over host logits; the device selects inside its pick (_topk)"},
+    "sampler": {},
 }
 GPU_ONLY = {
     "ops": {"fill_zero": "device arrays are zeroed by a kernel (numpy's zeros on the CPU)"},
