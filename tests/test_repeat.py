@@ -107,8 +107,8 @@ def test_models_keep_their_thread_counts(tmp_path):
 
 def test_cuda_simulator_repeats(tmp_path, loaded):
     """device="cuda" (numba's simulator in the tests): three evaluations, the same bits."""
-    path = write_tiny_gguf(tmp_path / "c.gguf", {"default": T.Q4_0, "token_embd": T.Q8_0}, dim=128, ff=256,
-                           n_kv=2, n_layers=1)
+    path = write_tiny_gguf(tmp_path / "c.gguf", {"default": T.Q4_0, "token_embd": T.Q8_0}, dim=64, ff=128,
+                           n_heads=2, n_kv=1, n_layers=1)      # small: the simulator is slow under load
     try:
         m = pykv.load(str(path), n_ctx=32, device="cuda", kv_type_k="q8_0", kv_type_v="q4_0")
     except pykv.PykvError as e:

@@ -89,6 +89,100 @@ def _sim_counted_swap():
     simk._pykv_counted = True
 
 
+def _sim_direct_device_calls():
+    """The simulator swaps a device function's module global `cuda` around every call, under the lock
+    above: a lock round trip and a GIL hand-off per call, for element decoders called once per weight
+    element.  A device function whose code (nested code included) names no global bound to the cuda
+    module cannot see the swap: call it directly."""
+    from numba.cuda.simulator import kernel as simk
+    from numba.cuda.simulator.kernelapi import FakeCUDAModule
+    if getattr(simk, "_pykv_direct", False):
+        return
+    call = simk.FakeCUDAKernel.__call__
+
+    def names(code):
+        out = set(code.co_names)
+        for c in code.co_consts:
+            if isinstance(c, types.CodeType):
+                out |= names(c)
+        return out
+
+    def pure(fn):
+        g = fn.__globals__
+        return not any(g.get(n) is cuda or isinstance(g.get(n), FakeCUDAModule) for n in names(fn.__code__))
+
+    def direct(self, *args):
+        if self._device:
+            p = self.__dict__.get("_pykv_pure")
+            if p is None:
+                p = self._pykv_pure = pure(self.fn)
+            if p:
+                return self.fn(*args)
+        return call(self, *args)
+    simk.FakeCUDAKernel.__call__ = direct
+    simk._pykv_direct = True
+
+
+def _sim_waiting_blocks():
+    """The simulator's block manager polls its threads in a loop (is_alive, blocked flags) while they
+    run: it holds the GIL they need, worst on a loaded host.  Same rule (a barrier opens when every live
+    thread of the block waits at it), kept by counts under one condition that the threads signal."""
+    import threading
+    from numba.cuda.simulator import kernel as simk
+    if getattr(simk, "_pykv_waiting", False):
+        return
+
+    def run(self, grid_point, *args):
+        self._cond, self._waiting, self._gen = threading.Condition(), 0, 0
+        threads = [simk.BlockThread(lambda: self._f(*args), self, grid_point, p, self._debug)
+                   for p in np.ndindex(*self._block_dim)]
+        self._alive = len(threads)
+        for t in threads:
+            t.start()
+        with self._cond:
+            while self._alive and not any(t.exception for t in threads):
+                self._cond.wait()
+            for t in threads:
+                if t.exception:         # stop the others at their next barrier, then report it
+                    for o in threads:
+                        o.abort = True
+                    self._cond.notify_all()
+                    raise t.exception[0].with_traceback(t.exception[1])
+
+    def _open_if_all_wait(m):
+        if m._waiting and m._waiting == m._alive:
+            m._waiting, m._gen = 0, m._gen + 1
+            m._cond.notify_all()
+
+    def syncthreads(self):
+        m = self._manager
+        if self.abort:
+            raise RuntimeError("abort flag set on syncthreads call")
+        with m._cond:
+            gen = m._gen
+            m._waiting += 1
+            _open_if_all_wait(m)
+            while m._gen == gen and not self.abort:
+                m._cond.wait()
+        if self.abort:
+            raise RuntimeError("abort flag set on syncthreads clear")
+
+    def thread_run(self):
+        try:
+            real_run(self)
+        finally:
+            m = self._manager
+            with m._cond:
+                m._alive -= 1
+                _open_if_all_wait(m)
+                m._cond.notify_all()
+    real_run = simk.BlockThread.run
+    simk.BlockManager.run = run
+    simk.BlockThread.syncthreads = syncthreads
+    simk.BlockThread.run = thread_run
+    simk._pykv_waiting = True
+
+
 def _sim_record_signatures(path):
     """Under the simulator, record (module, kernel, argument types) of every kernel launch and append the
     set to `path` (a pickle stream) at exit: tools/cuda_ptx_check.py --sigs compiles exactly those for a real GPU (the
@@ -122,6 +216,8 @@ def _sim_record_signatures(path):
 if SIM:
     _sim_shared_lock()
     _sim_counted_swap()
+    _sim_direct_device_calls()
+    _sim_waiting_blocks()
     if os.environ.get("PYKV_CUDA_SIGS"):
         _sim_record_signatures(os.environ["PYKV_CUDA_SIGS"])
 
