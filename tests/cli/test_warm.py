@@ -38,8 +38,8 @@ print("CHAINS", m._chains is False and np.array_equal(outs[0], outs[1]) and outs
 
 def _cache_without_the_chain(dst):
     """A copy of the kernel cache this test process uses (what the tests so far compiled), less the decode
-    chain module's entries: cold where the helper works (decode_cached() is false), and the prompt's
-    kernels load instead of compiling a second time (a full cold compile took 11 min on a Zen 3)."""
+    chain module's entries: cold where the helper works (decode_cached() is false), while the prompt's
+    kernels load instead of compiling a second time (docs/history.md: the suite's timings)."""
     from numba.core import config
     from pykv import kernels
     src = config.CACHE_DIR
