@@ -36,27 +36,27 @@ print("CHAINS", m._chains is False and np.array_equal(outs[0], outs[1]) and outs
 """
 
 
-def _cache_without_the_chain(dst):
-    """A copy of the kernel cache this test process uses (what the tests so far compiled), less the decode
-    chain module's entries: cold where the helper works (decode_cached() is false), while the prompt's
-    kernels load instead of compiling a second time (docs/history.md: the suite's timings)."""
+def _cache_without_the_chain(root):
+    """A copy, under root, of the kernel cache this test process uses (what the tests so far compiled), less
+    the decode chain module's entries: cold where the helper works (decode_cached() is false), while the
+    prompt's kernels load instead of compiling a second time (docs/history.md: the suite's timings)."""
     from numba.core import config
     from pykv import kernels
-    src = config.CACHE_DIR
+    src = config.CACHE_DIR                      # .../<kernel source hash>: the same name under root
     for sub in os.listdir(src):
-        if not os.path.isdir(os.path.join(src, sub)):
+        a, b = os.path.join(src, sub), os.path.join(root, os.path.basename(src), sub)
+        if not os.path.isdir(a):
             continue
-        os.makedirs(os.path.join(dst, sub))
-        with kernels.folder_lock(os.path.join(src, sub)):
-            for f in os.listdir(os.path.join(src, sub)):
+        os.makedirs(b)
+        with kernels.folder_lock(a):
+            for f in os.listdir(a):
                 if not f.startswith(("chain.", ".pykv")):
-                    shutil.copy2(os.path.join(src, sub, f), os.path.join(dst, sub, f))
+                    shutil.copy2(os.path.join(a, f), os.path.join(b, f))
 
 
 def test_cold_run_loads_the_decode_kernels_the_helper_compiled(tmp_path):
     model = write_tiny_gguf(tmp_path / "q40.gguf", {"default": T.Q4_0})   # integer tiles: a decode chain
-    from pykv import kernels
-    _cache_without_the_chain(tmp_path / "cache" / kernels.source_hash())
+    _cache_without_the_chain(tmp_path / "cache")
     env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "cache"), "PYKV_COMPILE_HELPER": "1"}
     r = subprocess.run([sys.executable, "-c", _RUN, str(model)], env=env, capture_output=True, text=True,
                        timeout=900)
